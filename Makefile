@@ -1,0 +1,26 @@
+PYTHON ?= python3
+CORE := scheduler spec_decode runner engine
+
+.PHONY: install lint test test-heavy simulate bench
+
+install:
+	$(PYTHON) -m pip install -e '.[dev]'
+
+lint:
+	$(PYTHON) -m ruff check $(CORE) tests benchmarks
+	$(PYTHON) -m mypy
+
+# What CI runs (.ci/run calls exactly this): install, lint, types, tests.
+test: install lint
+	HYPOTHESIS_PROFILE=ci $(PYTHON) -m pytest -q
+
+# Many more hypothesis examples and longer state-machine runs; minutes, local only.
+test-heavy:
+	HYPOTHESIS_PROFILE=dev $(PYTHON) -m pytest -q
+
+simulate:
+	specbudget simulate
+
+bench:
+	$(PYTHON) benchmarks/scheduler_overhead.py --out benchmarks/results/scheduler_overhead.json
+	$(PYTHON) benchmarks/throttle_tightness.py --out benchmarks/results/throttle_tightness.json

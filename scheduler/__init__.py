@@ -1,0 +1,15 @@
+"""Scheduler: requests, configs, token budget, KV block pool, prefix cache.
+
+Never imports torch: it plans work, the runner does it.
+"""
+
+from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                               SchedulerOutput)
+from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.scheduler import Scheduler
+
+__all__ = [
+    "CacheConfig", "CachedRequestData", "ModelRunnerOutput", "NewRequestData", "Request",
+    "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput",
+]

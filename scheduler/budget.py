@@ -1,0 +1,118 @@
+"""The throttle: per-pass budgets and the largest chunk a request may take.
+
+Pure decisions (`num_drafts`, `plan_chunk`) are separate from the mutable
+`StepBudget`, so a policy can be computed and tested without touching state.
+
+One step runs the target pass and each drafter pass of the method; every one starts
+with B = max_num_batched_tokens rows. A request scheduled with n tokens that proposes
+k drafts puts n rows in the target pass and `layout.rows(n, k)` in the drafter's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spec_decode.layout import DrafterLayout
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One request's share of the step: n tokens, s drafts verified, k proposed."""
+
+    num_tokens: int
+    num_spec: int
+    num_drafts: int
+    rows: tuple[int, ...]  # per pass: target first, then the drafter's passes
+    lookahead: int
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """The counters of a request that the throttle reads (a snapshot, never mutated)."""
+
+    num_computed_tokens: int
+    num_tokens: int  # known: prompt + outputs
+    num_spec_tokens: int  # drafts waiting to be verified
+    num_output_tokens: int
+    max_tokens: int
+
+
+def num_drafts(max_k: int, max_model_len: int, req: RequestView, num_spec: int) -> int:
+    """k for a request that samples this step after verifying `num_spec` drafts.
+
+    The first cut treats every verified draft as accepted, so no draft position can
+    reach `max_model_len`; the second leaves room for this step's token and the next
+    step's bonus token, which needs no draft.
+    """
+    return max(0, min(max_k,
+                      max_model_len - (req.num_tokens + num_spec + 1),
+                      req.max_tokens - req.num_output_tokens - 2))
+
+
+class ThrottleRule:
+    """Rows charged per pass for a chunk; swapped for vLLM's rules in benchmarks."""
+
+    def __init__(self, layout: DrafterLayout | None, max_k: int, max_model_len: int) -> None:
+        self.layout = layout
+        self.max_k = max_k if layout is not None else 0
+        self.max_model_len = max_model_len
+        self.context = (True,) + (layout.context_passes if layout else ())
+
+    @property
+    def num_passes(self) -> int:
+        return len(self.context)
+
+    def extras(self, k: int) -> tuple[int, ...]:
+        """Rows beyond the n context rows, per pass (target first)."""
+        return (0,) + (self.layout.extra_rows(k) if self.layout else ())
+
+    def lookahead(self, k: int) -> int:
+        return self.layout.lookahead_slots(k) if self.layout else 0
+
+    def plan(self, n: int, num_spec: int, k: int) -> ChunkPlan:
+        rows = tuple((n if ctx else 0) + extra
+                     for ctx, extra in zip(self.context, self.extras(k)))
+        return ChunkPlan(n, num_spec, k, rows, self.lookahead(k))
+
+
+def plan_chunk(rule: ThrottleRule, remaining: list[int], req: RequestView,
+               max_chunk: int, allow_partial: bool) -> ChunkPlan | None:
+    """The largest chunk (n <= max_chunk) whose rows fit every pass's remaining budget.
+
+    Chunks shorter than `first` (the tokens up to and including the last known one)
+    do not sample: k = 0, rows are n in the passes that carry context and 0 elsewhere.
+    Chunks of `first + s` sample after verifying s drafts and propose k(s). Rows never
+    shrink as n grows, so scanning down from the linear bound finds the largest fit;
+    the scan covers at most the s + 1 sampling chunks. `allow_partial=False` forbids a
+    chunk that stops short of sampling (whole-prompt prefill).
+    """
+    first = req.num_tokens - req.num_computed_tokens
+    linear = min([max_chunk] + [rem for rem, ctx in zip(remaining, rule.context) if ctx])
+    for n in range(linear, first - 1, -1):
+        s = n - first
+        plan = rule.plan(n, s, num_drafts(rule.max_k, rule.max_model_len, req, s))
+        if all(row <= rem for row, rem in zip(plan.rows, remaining)):
+            return plan
+    n = min(linear, first - 1)
+    if n <= 0 or not allow_partial:
+        return None
+    return rule.plan(n, 0, 0)
+
+
+class StepBudget:
+    """Remaining rows of each pass in the step being scheduled, and who paid what."""
+
+    def __init__(self, rule: ThrottleRule, max_num_batched_tokens: int) -> None:
+        self.rule = rule
+        self.remaining = [max_num_batched_tokens] * rule.num_passes
+        self.charges: dict[str, ChunkPlan] = {}
+
+    def charge(self, req_id: str, plan: ChunkPlan) -> None:
+        assert req_id not in self.charges, f"{req_id} charged twice in one step"
+        self.charges[req_id] = plan
+        self.remaining = [rem - row for rem, row in zip(self.remaining, plan.rows)]
+
+    def refund(self, req_id: str) -> None:
+        """Give back exactly what `req_id` was charged (it was preempted)."""
+        plan = self.charges.pop(req_id)
+        self.remaining = [rem + row for rem, row in zip(self.remaining, plan.rows)]

@@ -1,0 +1,126 @@
+"""Per-request block tables on top of the block pool: prefix hits, slots, freeing."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from scheduler.block_pool import BlockPool, KVCacheBlock
+from scheduler.config import CacheConfig
+from scheduler.request import Request
+
+
+def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
+    """Chain hash of one full block: equal hashes mean equal whole prefixes.
+
+    A cryptographic digest, not Python's `hash`, so that a client cannot craft a
+    prompt whose block collides with another tenant's cached prefix.
+    """
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Owns each request's block list; the scheduler asks it for slots by token count."""
+
+    def __init__(self, cache_config: CacheConfig) -> None:
+        self.block_size = cache_config.block_size
+        self.enable_caching = cache_config.enable_prefix_caching
+        self.pool = BlockPool(cache_config.num_blocks, cache_config.enable_prefix_caching)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Hash chain over each request's full blocks of known tokens.
+        self._hashes: dict[str, list[bytes]] = {}
+        # How many of a request's leading blocks are registered in the prefix cache.
+        self._num_cached: dict[str, int] = {}
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_blocks.get(request_id, ())]
+
+    def _block_hashes(self, request: Request) -> list[bytes]:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        size = self.block_size
+        tokens = request.all_token_ids
+        while (len(hashes) + 1) * size <= len(tokens):
+            start = len(hashes) * size
+            parent = hashes[-1] if hashes else b""
+            hashes.append(hash_block(parent, tokens[start:start + size]))
+        return hashes
+
+    def find_prefix(self, request: Request) -> list[KVCacheBlock]:
+        """Longest run of cached blocks matching the request's leading tokens.
+
+        Capped one token short of all known tokens: the step must compute at least
+        the last token to sample the next one.
+        """
+        if not self.enable_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in self._block_hashes(request)[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_allocate(self, request: Request, num_new_tokens: int, num_lookahead: int,
+                     prefix: list[KVCacheBlock] | None = None) -> bool:
+        return self._num_new_blocks(request, num_new_tokens, num_lookahead, prefix) is not None
+
+    def _num_new_blocks(self, request: Request, num_new_tokens: int, num_lookahead: int,
+                        prefix: list[KVCacheBlock] | None) -> int | None:
+        prefix = prefix or []
+        held = len(self.req_blocks.get(request.request_id, ()))
+        computed = request.num_computed_tokens + len(prefix) * self.block_size
+        needed = self.blocks_needed(computed + num_new_tokens + num_lookahead)
+        new = max(needed - held - len(prefix), 0)
+        # Prefix blocks sitting in the free queue stop being free once shared.
+        reclaimed = sum(1 for block in prefix if block.ref_cnt == 0)
+        return new if new <= self.pool.num_free_blocks - reclaimed else None
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_lookahead: int = 0,
+                       prefix: list[KVCacheBlock] | None = None) -> bool:
+        """Make room for `num_new_tokens` past the computed ones (after any prefix
+        hit) plus `num_lookahead` draft slots; False, changing nothing, if it can't."""
+        new = self._num_new_blocks(request, num_new_tokens, num_lookahead, prefix)
+        if new is None:
+            return False
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        if prefix:
+            self.pool.touch(prefix)
+            blocks.extend(prefix)
+            self._num_cached[request.request_id] = len(blocks)
+        blocks.extend(self.pool.allocate(new))
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register every full block of verified, computed tokens in the prefix cache."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        done = self._num_cached.get(rid, 0)
+        if num_full <= done:
+            return
+        hashes = self._block_hashes(request)
+        blocks = self.req_blocks[rid]
+        for i in range(done, num_full):
+            self.pool.cache(blocks[i], hashes[i])
+        self._num_cached[rid] = num_full
+
+    def free(self, request: Request, finished: bool) -> None:
+        """Release the request's blocks (tail first); forget its hashes if finished."""
+        rid = request.request_id
+        self.pool.free(reversed(self.req_blocks.pop(rid, [])))
+        self._num_cached.pop(rid, None)
+        if finished:
+            self._hashes.pop(rid, None)

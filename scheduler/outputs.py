@@ -1,0 +1,73 @@
+"""The two plain dataclasses the scheduler and the runner exchange, and nothing else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """Everything the runner needs to start (or restart after preemption) a request."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """What changed for a request the runner already holds."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan, and what it charged against each forward pass's budget.
+
+    `num_scheduled_tokens[r]` = n, the target rows of request r (1 + its verified
+    drafts when decoding). `num_draft_tokens[r]` = k, the drafts r proposes this step.
+    `pass_rows` maps each forward pass ("target", then the drafter's passes) to the rows
+    charged to it; `num_drafter_tokens` is the widest drafter pass, which the runner
+    checks against the rows it really builds.
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]]
+    num_draft_tokens: dict[str, int]
+    num_drafter_tokens: int
+    pass_rows: dict[str, int]
+    max_num_batched_tokens: int
+    spec_method: str | None
+    preempted_req_ids: set[str] = field(default_factory=set)
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.num_scheduled_tokens)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced, in the order of `req_ids`.
+
+    `sampled_token_ids[i]`: the accepted drafts then one bonus or recovered token, or
+    `[]` for a request whose chunk did not reach a sampling position.
+    `draft_token_ids[r]`: the k drafts r proposes for the next step to verify.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Rows the runner built per forward pass, for metrics and tests.
+    pass_rows: dict[str, int] = field(default_factory=dict)

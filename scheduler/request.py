@@ -1,0 +1,148 @@
+"""Per-request state: one class, counters stored, everything else derived."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's tokens and when to stop.
+
+    `top_k=0` and `top_p=1.0` turn those filters off; `temperature=0.0` is greedy.
+    Stop strings (`stop`) are matched by the engine's detokenizer, not here.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        def bad(name: str, limit: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name} must be {limit}, got {getattr(self, name)!r}")
+
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, "a finite number")
+        if self.max_tokens < 1:
+            raise bad("max_tokens", ">= 1")
+        if self.temperature < 0:
+            raise bad("temperature", ">= 0")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "in (0, 1]")
+        if self.top_k < 0:
+            raise bad("top_k", ">= 0 (0 = off)")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", "in [0, 1]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"in [0, max_tokens={self.max_tokens}]")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad("logprobs", ">= 0")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle; every status above PREEMPTED is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One generation request as the scheduler tracks it.
+
+    Known tokens are the prompt plus the outputs so far; `num_computed_tokens` counts
+    those whose KV is in the cache. Draft tokens (`spec_token_ids`) are proposed, not
+    known: when the scheduler runs them they count as computed until the verifier
+    rejects them, and `update_from_output` rolls the rejected ones back.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        eos_token_id: int | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params or SamplingParams()
+        self.eos_token_id = eos_token_id
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        # Prompt + outputs in one list, so block hashing reads slices without copies.
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.spec_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.stop_token_id: int | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens}, "
+            f"spec={len(self.spec_token_ids)})"
+        )

@@ -1,0 +1,322 @@
+"""The scheduler: continuous batching under one row budget per forward pass.
+
+Each `schedule()` first serves running requests (decodes with drafts to verify,
+prefill continuations), then admits waiting ones in queue order. Every request gets
+the largest chunk whose rows fit the target pass and each drafter pass together
+(`budget.plan_chunk`); KV slots come after, preempting the lowest-priority running
+request (the newest under FCFS) when the pool is short.
+"""
+
+from __future__ import annotations
+
+from scheduler.budget import ChunkPlan, RequestView, StepBudget, ThrottleRule, plan_chunk
+from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+from scheduler.request_queue import make_queue
+from scheduler.stats import SchedulerStats
+from spec_decode import SpeculativeConfig, get_layout, min_decode_rows
+
+
+class Scheduler:
+    """Decides each step's batch; see DESIGN.md §2 for the budget rule."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 speculative_config: SpeculativeConfig | None = None,
+                 rule: ThrottleRule | None = None) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.speculative_config = speculative_config
+        self.layout = get_layout(speculative_config)
+        max_k = speculative_config.num_speculative_tokens if speculative_config else 0
+        self.rule = rule or ThrottleRule(self.layout, max_k, scheduler_config.max_model_len)
+        self._check_budget_config()
+        self.kv = KVCacheManager(cache_config)
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+        self._finished_since_last_step: set[str] = set()
+
+    def _check_budget_config(self) -> None:
+        spec = self.speculative_config
+        if spec is None:
+            return
+        need = min_decode_rows(spec)
+        widest = max(need, key=lambda name: need[name])
+        if need[widest] > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_batched_tokens={self.config.max_num_batched_tokens} is below one "
+                f"decoding request's cost under method={spec.method!r} with "
+                f"num_speculative_tokens={spec.num_speculative_tokens}: its {widest!r} pass "
+                f"needs {need[widest]} rows (all passes: {need}); set "
+                f"max_num_batched_tokens >= {need[widest]}"
+            )
+
+    # ---- requests in and out -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; refuse one that could never run, naming the limit."""
+        self._validate(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def _validate(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
+        max_len = self.config.max_model_len
+        if num_prompt >= max_len:
+            raise ValueError(
+                f"request {rid!r}: prompt of {num_prompt} tokens leaves no room to "
+                f"generate within max_model_len={max_len} (the prompt must be < {max_len})"
+            )
+        # The most this request can ever hold: all its tokens plus draft lookahead.
+        longest = min(max_len, num_prompt + request.max_tokens + self.rule.max_k + 1)
+        need = self.kv.blocks_needed(longest + self.rule.lookahead(self.rule.max_k))
+        if need > self.cache_config.num_blocks:
+            raise ValueError(
+                f"request {rid!r} may need {need} KV blocks (prompt {num_prompt} + "
+                f"max_tokens {request.max_tokens}), more than the cache's "
+                f"num_blocks={self.cache_config.num_blocks}"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free everything it holds; unknown ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.spec_token_ids = []
+        self.kv.free(request, finished=True)
+        del self.requests[request.request_id]
+        self._finished_since_last_step.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def kv_cache_usage(self) -> float:
+        return self.kv.usage()
+
+    # ---- one step ------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first, then waiting ones in order."""
+        budget = StepBudget(self.rule, self.config.max_num_batched_tokens)
+        preempted: set[str] = set()
+        new_block_ids: dict[str, list[int]] = {}
+        self._schedule_running(budget, preempted, new_block_ids)
+        admitted = [] if preempted else self._schedule_waiting(budget)
+        return self._apply(budget, admitted, new_block_ids, preempted)
+
+    def _view(self, request: Request, num_computed: int | None = None) -> RequestView:
+        return RequestView(
+            num_computed_tokens=(request.num_computed_tokens if num_computed is None
+                                 else num_computed),
+            num_tokens=request.num_tokens,
+            num_spec_tokens=len(request.spec_token_ids),
+            num_output_tokens=request.num_output_tokens,
+            max_tokens=request.max_tokens,
+        )
+
+    def _max_chunk(self, num_pending: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        return min(num_pending, threshold) if threshold > 0 else num_pending
+
+    def _schedule_running(self, budget: StepBudget, preempted: set[str],
+                          new_block_ids: dict[str, list[int]]) -> None:
+        for request in list(self.running):
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop to make room
+            view = self._view(request)
+            pending = request.num_tokens_with_spec - request.num_computed_tokens
+            plan = plan_chunk(self.rule, budget.remaining, view, self._max_chunk(pending),
+                              allow_partial=True)
+            if plan is None:
+                continue
+            held = len(self.kv.req_blocks.get(request.request_id, ()))
+            while not self.kv.allocate_slots(request, plan.num_tokens, plan.lookahead):
+                victim = self._pick_victim()
+                self._preempt(victim, budget, preempted)
+                if victim is request:
+                    break
+            if request.status == RequestStatus.RUNNING:
+                budget.charge(request.request_id, plan)
+                new_block_ids[request.request_id] = self.kv.block_ids(request.request_id)[held:]
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, budget: StepBudget, preempted: set[str]) -> None:
+        """Recompute-style preemption: free its blocks, refund its charge, requeue."""
+        self.running.remove(request)
+        if request.request_id in budget.charges:
+            budget.refund(request.request_id)
+        self.kv.free(request, finished=False)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.readd_preempted(request)
+        preempted.add(request.request_id)
+
+    def _schedule_waiting(self, budget: StepBudget) -> list[Request]:
+        """Admit from the head of the queue until one does not fit (no skipping)."""
+        admitted = []
+        while len(self.waiting) and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            prefix = self.kv.find_prefix(request)
+            num_cached = len(prefix) * self.kv.block_size
+            plan = plan_chunk(self.rule, budget.remaining, self._view(request, num_cached),
+                              self._max_chunk(request.num_tokens - num_cached),
+                              allow_partial=self.config.enable_chunked_prefill)
+            if plan is None:
+                break
+            if not self.kv.allocate_slots(request, plan.num_tokens, plan.lookahead, prefix):
+                break
+            self.waiting.pop()
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            budget.charge(request.request_id, plan)
+            self.stats.num_prefix_hit_tokens += num_cached
+            admitted.append(request)
+        return admitted
+
+    def _apply(self, budget: StepBudget, admitted: list[Request],
+               new_block_ids: dict[str, list[int]], preempted: set[str]) -> SchedulerOutput:
+        """Commit the plan: advance computed counts, drop drafts that did not fit."""
+        new_reqs = [self._new_request_data(r) for r in admitted]
+        cached_reqs = [
+            CachedRequestData(rid, new_block_ids[rid],
+                              self.requests[rid].num_computed_tokens)
+            for rid in budget.charges if rid in new_block_ids
+        ]
+        spec_tokens: dict[str, list[int]] = {}
+        for rid, plan in budget.charges.items():
+            request = self.requests[rid]
+            del request.spec_token_ids[plan.num_spec:]
+            if plan.num_spec:
+                spec_tokens[rid] = list(request.spec_token_ids)
+            request.num_computed_tokens += plan.num_tokens
+        output = self._make_output(budget.charges, new_reqs, cached_reqs, spec_tokens,
+                                   preempted)
+        self.stats.record_step(output)
+        return output
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=self.kv.block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def _make_output(self, charges: dict[str, ChunkPlan], new_reqs: list[NewRequestData],
+                     cached_reqs: list[CachedRequestData], spec_tokens: dict[str, list[int]],
+                     preempted: set[str]) -> SchedulerOutput:
+        names = ("target",) + (self.layout.pass_names if self.layout else ())
+        pass_rows = dict.fromkeys(names, 0)
+        for plan in charges.values():
+            for name, rows in zip(names, plan.rows):
+                pass_rows[name] += rows
+        num_scheduled = {rid: plan.num_tokens for rid, plan in charges.items()}
+        finished, self._finished_since_last_step = self._finished_since_last_step, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=pass_rows["target"],
+            scheduled_spec_decode_tokens=spec_tokens,
+            num_draft_tokens={rid: plan.num_drafts for rid, plan in charges.items()
+                              if plan.num_drafts},
+            num_drafter_tokens=max((pass_rows[n] for n in names[1:]), default=0),
+            pass_rows=pass_rows,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            spec_method=self.speculative_config.method if self.speculative_config else None,
+            preempted_req_ids=preempted,
+            finished_req_ids=finished,
+        )
+
+    # ---- results back ----------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> None:
+        """Advance requests by what the step produced.
+
+        Rejected drafts roll `num_computed_tokens` back (their KV is stale); accepted
+        ones and the bonus/recovered token become outputs; the new drafts wait for
+        the next step to verify them.
+        """
+        index = {rid: i for i, rid in enumerate(runner_output.req_ids)}
+        finished = False
+        for rid, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is None:
+                continue  # aborted after it was scheduled
+            sampled = runner_output.sampled_token_ids[index[rid]]
+            verified = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
+            self._roll_back_rejected(request, sampled, verified)
+            status = self._append_tokens(request, sampled)
+            if status is not None:
+                self._finish(request, status)
+                finished = True
+                continue
+            limit = scheduler_output.num_draft_tokens.get(rid, 0)
+            drafts = runner_output.draft_token_ids.get(rid, [])
+            if len(drafts) > limit:
+                raise ValueError(
+                    f"runner proposed {len(drafts)} drafts for {rid!r}; the step charged "
+                    f"num_draft_tokens={limit}"
+                )
+            request.spec_token_ids = list(drafts)
+            self.kv.cache_full_blocks(request)
+        if finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+
+    def _roll_back_rejected(self, request: Request, sampled: list[int], verified: int) -> None:
+        if not sampled:
+            if verified:
+                raise ValueError(f"{request.request_id!r} verified drafts but sampled nothing")
+            return
+        accepted = len(sampled) - 1
+        if accepted > verified:
+            raise ValueError(
+                f"{request.request_id!r}: {len(sampled)} tokens sampled from "
+                f"{verified} drafts (at most {verified + 1})"
+            )
+        request.num_computed_tokens -= verified - accepted
+        self.stats.record_verification(verified, accepted)
+
+    def _append_tokens(self, request: Request, sampled: list[int]) -> RequestStatus | None:
+        """Append tokens one by one; the first stop condition drops the rest."""
+        params = request.sampling_params
+        for token in sampled:
+            request.append_output_token(token)
+            if request.num_output_tokens >= params.min_tokens:
+                if token == request.eos_token_id and not params.ignore_eos:
+                    return RequestStatus.FINISHED_STOPPED
+                if token in params.stop_token_ids:
+                    request.stop_token_id = token
+                    return RequestStatus.FINISHED_STOPPED
+            if (request.num_output_tokens >= params.max_tokens
+                    or request.num_tokens >= self.config.max_model_len):
+                return RequestStatus.FINISHED_LENGTH
+        return None

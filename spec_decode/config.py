@@ -1,0 +1,56 @@
+"""Speculative decoding configuration (no torch: the scheduler imports this)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+METHODS = ("ngram", "suffix", "eagle", "mtp", "draft_model", "parallel", "pard", "dflash")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Which drafter runs and how many drafts each request may propose per step.
+
+    `num_speculative_tokens` is K, the ceiling on drafts per request per step; the
+    scheduler cuts each request's k below it near `max_model_len` / `max_tokens`
+    (DESIGN.md §2). `model` names the drafter checkpoint for model-based methods,
+    `prompt_lookup_min/max` bound the n-gram sizes for `ngram`, and `options` carries
+    method-specific settings the proposers read (the scheduler never does).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(
+                f"SpeculativeConfig.method={self.method!r} is not supported; "
+                f"choose one of {', '.join(METHODS)}"
+            )
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                "SpeculativeConfig.num_speculative_tokens must be >= 1 "
+                f"(got {self.num_speculative_tokens}); pass speculative_config=None to "
+                "turn speculation off"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "SpeculativeConfig needs 1 <= prompt_lookup_min <= prompt_lookup_max "
+                f"(got {self.prompt_lookup_min}, {self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any] | None) -> SpeculativeConfig | None:
+        """Build from a vLLM-style `speculative_config` dict; None means off."""
+        if spec is None:
+            return None
+        known = {"method", "num_speculative_tokens", "model", "prompt_lookup_min",
+                 "prompt_lookup_max"}
+        kwargs = {key: value for key, value in spec.items() if key in known}
+        options = {key: value for key, value in spec.items() if key not in known}
+        return cls(**kwargs, options=options)
