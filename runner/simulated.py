@@ -107,7 +107,9 @@ class SimulatedRunner:
         check_pass_rows(self.method, out.max_num_batched_tokens, step.counts(),
                         out.num_drafter_tokens)
         self.last_step = step
-        req_ids, sampled, drafts = [], [], {}
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
+        drafts: dict[str, list[int]] = {}
         for rid, n in out.num_scheduled_tokens.items():
             state = self.reqs[rid]
             req_ids.append(rid)
@@ -133,5 +135,5 @@ class SimulatedRunner:
                 break
             accepted.append(token)
         if self.eos_token_id is not None and self.rng.random() < self.eos_prob:
-            return accepted + [self.eos_token_id]
-        return accepted + [self.rng.randrange(self.vocab_size)]
+            return [*accepted, self.eos_token_id]
+        return [*accepted, self.rng.randrange(self.vocab_size)]

@@ -4,8 +4,7 @@ Never imports torch: it plans work, the runner does it.
 """
 
 from scheduler.config import CacheConfig, SchedulerConfig
-from scheduler.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                               SchedulerOutput)
+from scheduler.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from scheduler.request import Request, RequestStatus, SamplingParams
 from scheduler.scheduler import Scheduler
 

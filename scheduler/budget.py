@@ -62,6 +62,10 @@ class ThrottleRule:
     def num_passes(self) -> int:
         return len(self.context)
 
+    def initial_budget(self, max_num_batched_tokens: int) -> list[int]:
+        """Rows each pass may take in a fresh step; every pass gets all of B."""
+        return [max_num_batched_tokens] * self.num_passes
+
     def extras(self, k: int) -> tuple[int, ...]:
         """Rows beyond the n context rows, per pass (target first)."""
         return (0,) + (self.layout.extra_rows(k) if self.layout else ())
@@ -104,7 +108,7 @@ class StepBudget:
 
     def __init__(self, rule: ThrottleRule, max_num_batched_tokens: int) -> None:
         self.rule = rule
-        self.remaining = [max_num_batched_tokens] * rule.num_passes
+        self.remaining = rule.initial_budget(max_num_batched_tokens)
         self.charges: dict[str, ChunkPlan] = {}
 
     def charge(self, req_id: str, plan: ChunkPlan) -> None:

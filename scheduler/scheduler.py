@@ -132,8 +132,11 @@ class Scheduler:
         )
 
     def _max_chunk(self, num_pending: int) -> int:
+        # Without chunked prefill a prompt goes whole, so the threshold cannot apply.
         threshold = self.config.long_prefill_token_threshold
-        return min(num_pending, threshold) if threshold > 0 else num_pending
+        if threshold > 0 and self.config.enable_chunked_prefill:
+            return min(num_pending, threshold)
+        return num_pending
 
     def _schedule_running(self, budget: StepBudget, preempted: set[str],
                           new_block_ids: dict[str, list[int]]) -> None:
@@ -265,9 +268,10 @@ class Scheduler:
         ones and the bonus/recovered token become outputs; the new drafts wait for
         the next step to verify them.
         """
+        self._check_runner_output(scheduler_output, runner_output)
         index = {rid: i for i, rid in enumerate(runner_output.req_ids)}
         finished = False
-        for rid, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        for rid in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(rid)
             if request is None:
                 continue  # aborted after it was scheduled
@@ -275,21 +279,29 @@ class Scheduler:
             verified = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
             self._roll_back_rejected(request, sampled, verified)
             status = self._append_tokens(request, sampled)
+            # Cache before a finish frees the blocks, so a one-token request's prompt
+            # still serves later prefix hits.
+            self.kv.cache_full_blocks(request)
             if status is not None:
                 self._finish(request, status)
                 finished = True
                 continue
-            limit = scheduler_output.num_draft_tokens.get(rid, 0)
-            drafts = runner_output.draft_token_ids.get(rid, [])
-            if len(drafts) > limit:
-                raise ValueError(
-                    f"runner proposed {len(drafts)} drafts for {rid!r}; the step charged "
-                    f"num_draft_tokens={limit}"
-                )
-            request.spec_token_ids = list(drafts)
-            self.kv.cache_full_blocks(request)
+            request.spec_token_ids = list(runner_output.draft_token_ids.get(rid, ()))
         if finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+
+    @staticmethod
+    def _check_runner_output(out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Refuse a malformed runner output before any request state changes."""
+        missing = set(out.num_scheduled_tokens) - set(result.req_ids)
+        if missing or len(result.sampled_token_ids) != len(result.req_ids):
+            raise ValueError(f"runner output lacks scheduled requests {sorted(missing)} or "
+                             "has sampled_token_ids out of step with req_ids")
+        for rid, drafts in result.draft_token_ids.items():
+            limit = out.num_draft_tokens.get(rid, 0)
+            if len(drafts) > limit:
+                raise ValueError(f"runner proposed {len(drafts)} drafts for {rid!r}; the "
+                                 f"step charged num_draft_tokens={limit}")
 
     def _roll_back_rejected(self, request: Request, sampled: list[int], verified: int) -> None:
         if not sampled:

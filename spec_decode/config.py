@@ -49,6 +49,9 @@ class SpeculativeConfig:
         """Build from a vLLM-style `speculative_config` dict; None means off."""
         if spec is None:
             return None
+        if "method" not in spec or "num_speculative_tokens" not in spec:
+            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens' "
+                             f"(got keys {sorted(spec)})")
         known = {"method", "num_speculative_tokens", "model", "prompt_lookup_min",
                  "prompt_lookup_max"}
         kwargs = {key: value for key, value in spec.items() if key in known}
