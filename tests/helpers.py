@@ -1,0 +1,44 @@
+"""Small builders shared by the scheduler tests."""
+
+from __future__ import annotations
+
+from runner.simulated import SimulatedRunner
+from scheduler import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig
+from spec_decode import SpeculativeConfig
+
+
+def make_scheduler(method: str | None = None, k: int = 4, budget: int = 64,
+                   max_num_seqs: int = 16, max_model_len: int = 256, block_size: int = 4,
+                   num_blocks: int = 256, **kwargs: object) -> Scheduler:
+    spec = SpeculativeConfig(method, k) if method else None
+    sched_kwargs = {key: v for key, v in kwargs.items() if key != "enable_prefix_caching"}
+    return Scheduler(
+        SchedulerConfig(budget, max_num_seqs, max_model_len, **sched_kwargs),  # type: ignore[arg-type]
+        CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                    enable_prefix_caching=bool(kwargs.get("enable_prefix_caching", True))),
+        spec,
+    )
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int = 16, first_token: int = 10,
+                 **params: object) -> Request:
+    prompt = [first_token + (i % 500) for i in range(prompt_len)]
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
+                   eos_token_id=2)
+
+
+def run_step(scheduler: Scheduler, runner: SimulatedRunner):  # type: ignore[no-untyped-def]
+    out = scheduler.schedule()
+    result = runner.execute(out)
+    scheduler.update_from_output(out, result)
+    return out, result
+
+
+def drain(scheduler: Scheduler, runner: SimulatedRunner, max_steps: int = 10_000) -> int:
+    steps = 0
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler, runner)
+        scheduler.kv.pool.check_integrity()
+        steps += 1
+        assert steps < max_steps, "scheduler made no progress"
+    return steps
