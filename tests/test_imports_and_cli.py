@@ -1,0 +1,41 @@
+"""Layering and the simulate command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine.cli import main
+
+
+def test_scheduler_and_spec_config_load_no_torch() -> None:
+    code = ("import sys, scheduler, spec_decode, runner; "
+            "from scheduler import Scheduler, SchedulerConfig, CacheConfig, Request, "
+            "SamplingParams, SchedulerOutput, ModelRunnerOutput; "
+            "from spec_decode import SpeculativeConfig; from runner import BudgetInvariantError; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_simulate_prints_a_budget_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--method", "dflash", "--num-decoders", "8", "--num-long", "1",
+                 "--max-num-batched-tokens", "128", "--rows", "5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:6] == ["step", "run", "wait", "target/B", "context/B", "query/B"]
+    assert [ln.split()[0] for ln in lines[1:6]] == ["0", "1", "2", "3", "4"]
+    assert not lines[6].strip()  # --rows 5: five steps, then the summary
+    assert "no pass ever exceeded B" in lines[-1]
+
+
+def test_simulate_json_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--method", "pard", "--json", "--num-decoders", "8",
+                 "--num-long", "1", "--max-num-batched-tokens", "64"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["method"] == "pard"
+    assert all(rows <= 64 for rows in summary["peak_rows_per_pass"].values())
+    assert summary["steps"] > 0 and 0.0 <= summary["acceptance_rate"] <= 1.0
