@@ -10,7 +10,7 @@ k drafts puts n rows in the target pass and `layout.rows(n, k)` in the drafter's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from spec_decode.layout import DrafterLayout
 
@@ -24,6 +24,8 @@ class ChunkPlan:
     num_drafts: int
     rows: tuple[int, ...]  # per pass: target first, then the drafter's passes
     lookahead: int
+    # k the rule allowed; above num_drafts only when the adaptive policy cut k to fit.
+    rule_drafts: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,10 +54,13 @@ def num_drafts(max_k: int, max_model_len: int, req: RequestView, num_spec: int) 
 class ThrottleRule:
     """Rows charged per pass for a chunk; swapped for vLLM's rules in benchmarks."""
 
-    def __init__(self, layout: DrafterLayout | None, max_k: int, max_model_len: int) -> None:
+    def __init__(self, layout: DrafterLayout | None, max_k: int, max_model_len: int,
+                 adaptive: bool = False) -> None:
         self.layout = layout
         self.max_k = max_k if layout is not None else 0
         self.max_model_len = max_model_len
+        # Adaptive ("fit"): a sampling chunk whose k does not fit may propose fewer.
+        self.adaptive = adaptive
         self.context = (True,) + (layout.context_passes if layout else ())
 
     @property
@@ -76,7 +81,7 @@ class ThrottleRule:
     def plan(self, n: int, num_spec: int, k: int) -> ChunkPlan:
         rows = tuple((n if ctx else 0) + extra
                      for ctx, extra in zip(self.context, self.extras(k)))
-        return ChunkPlan(n, num_spec, k, rows, self.lookahead(k))
+        return ChunkPlan(n, num_spec, k, rows, self.lookahead(k), k)
 
 
 def plan_chunk(rule: ThrottleRule, remaining: list[int], req: RequestView,
@@ -88,19 +93,32 @@ def plan_chunk(rule: ThrottleRule, remaining: list[int], req: RequestView,
     Chunks of `first + s` sample after verifying s drafts and propose k(s). Rows never
     shrink as n grows, so scanning down from the linear bound finds the largest fit;
     the scan covers at most the s + 1 sampling chunks. `allow_partial=False` forbids a
-    chunk that stops short of sampling (whole-prompt prefill).
+    chunk that stops short of sampling (whole-prompt prefill). Under the adaptive
+    policy a sampling chunk tries k(s), k(s) - 1, ..., 0 before a shorter chunk:
+    verifying drafts already made beats proposing new ones.
     """
     first = req.num_tokens - req.num_computed_tokens
     linear = min([max_chunk] + [rem for rem, ctx in zip(remaining, rule.context) if ctx])
     for n in range(linear, first - 1, -1):
         s = n - first
-        plan = rule.plan(n, s, num_drafts(rule.max_k, rule.max_model_len, req, s))
-        if all(row <= rem for row, rem in zip(plan.rows, remaining)):
-            return plan
-    n = min(linear, first - 1)
-    if n <= 0 or not allow_partial:
+        k_rule = num_drafts(rule.max_k, rule.max_model_len, req, s)
+        for k in range(k_rule, -1, -1) if rule.adaptive else (k_rule,):
+            plan = rule.plan(n, s, k)
+            if _fits(plan, remaining):
+                return plan if k == k_rule else replace(plan, rule_drafts=k_rule)
+    if not allow_partial:
         return None
-    return rule.plan(n, 0, 0)
+    # A chunk that does not sample: rules that charge a fixed extra per request
+    # (benchmarks' vLLM rules) may need a few tokens less than the linear bound.
+    for n in range(min(linear, first - 1), 0, -1):
+        plan = rule.plan(n, 0, 0)
+        if _fits(plan, remaining):
+            return plan
+    return None
+
+
+def _fits(plan: ChunkPlan, remaining: list[int]) -> bool:
+    return all(row <= rem for row, rem in zip(plan.rows, remaining))
 
 
 class StepBudget:

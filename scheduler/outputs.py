@@ -36,7 +36,8 @@ class SchedulerOutput:
     drafts when decoding). `num_draft_tokens[r]` = k, the drafts r proposes this step.
     `pass_rows` maps each forward pass ("target", then the drafter's passes) to the rows
     charged to it; `num_drafter_tokens` is the widest drafter pass, which the runner
-    checks against the rows it really builds.
+    checks against the rows it really builds. `adapted_draft_tokens[r]` is the k the
+    rule allowed, for each request whose k the adaptive draft policy cut to fit.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -49,6 +50,7 @@ class SchedulerOutput:
     pass_rows: dict[str, int]
     max_num_batched_tokens: int
     spec_method: str | None
+    adapted_draft_tokens: dict[str, int] = field(default_factory=dict)
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
 

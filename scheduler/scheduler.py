@@ -30,7 +30,9 @@ class Scheduler:
         self.speculative_config = speculative_config
         self.layout = get_layout(speculative_config)
         max_k = speculative_config.num_speculative_tokens if speculative_config else 0
-        self.rule = rule or ThrottleRule(self.layout, max_k, scheduler_config.max_model_len)
+        adaptive = speculative_config is not None and speculative_config.draft_policy == "fit"
+        self.rule = rule or ThrottleRule(self.layout, max_k, scheduler_config.max_model_len,
+                                         adaptive)
         self._check_budget_config()
         self.kv = KVCacheManager(cache_config)
         self.requests: dict[str, Request] = {}
@@ -251,6 +253,8 @@ class Scheduler:
             num_draft_tokens={rid: plan.num_drafts for rid, plan in charges.items()
                               if plan.num_drafts},
             num_drafter_tokens=max((pass_rows[n] for n in names[1:]), default=0),
+            adapted_draft_tokens={rid: plan.rule_drafts for rid, plan in charges.items()
+                                  if plan.rule_drafts > plan.num_drafts},
             pass_rows=pass_rows,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             spec_method=self.speculative_config.method if self.speculative_config else None,

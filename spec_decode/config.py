@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 METHODS = ("ngram", "suffix", "eagle", "mtp", "draft_model", "parallel", "pard", "dflash")
+DRAFT_POLICIES = ("fixed", "fit")
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,11 @@ class SpeculativeConfig:
     (DESIGN.md §2). `model` names the drafter checkpoint for model-based methods,
     `prompt_lookup_min/max` bound the n-gram sizes for `ngram`, and `options` carries
     method-specific settings the proposers read (the scheduler never does).
+
+    `draft_policy="fixed"` gives every sampling request the rule's k; a request whose
+    k does not fit the step's remaining budget takes a chunk that stops short of
+    sampling, or waits. `"fit"` (adaptive) lets it propose fewer drafts instead, down
+    to 0, and `SchedulerOutput.adapted_draft_tokens` reports each cut.
     """
 
     method: str
@@ -24,6 +30,7 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    draft_policy: str = "fixed"
     options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -37,6 +44,11 @@ class SpeculativeConfig:
                 "SpeculativeConfig.num_speculative_tokens must be >= 1 "
                 f"(got {self.num_speculative_tokens}); pass speculative_config=None to "
                 "turn speculation off"
+            )
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise ValueError(
+                f"SpeculativeConfig.draft_policy={self.draft_policy!r} is not supported; "
+                f"choose one of {', '.join(DRAFT_POLICIES)}"
             )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
@@ -53,7 +65,7 @@ class SpeculativeConfig:
             raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens' "
                              f"(got keys {sorted(spec)})")
         known = {"method", "num_speculative_tokens", "model", "prompt_lookup_min",
-                 "prompt_lookup_max"}
+                 "prompt_lookup_max", "draft_policy"}
         kwargs = {key: value for key, value in spec.items() if key in known}
         options = {key: value for key, value in spec.items() if key not in known}
         return cls(**kwargs, options=options)

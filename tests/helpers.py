@@ -9,8 +9,9 @@ from spec_decode import SpeculativeConfig
 
 def make_scheduler(method: str | None = None, k: int = 4, budget: int = 64,
                    max_num_seqs: int = 16, max_model_len: int = 256, block_size: int = 4,
-                   num_blocks: int = 256, **kwargs: object) -> Scheduler:
-    spec = SpeculativeConfig(method, k) if method else None
+                   num_blocks: int = 256, draft_policy: str = "fixed",
+                   **kwargs: object) -> Scheduler:
+    spec = SpeculativeConfig(method, k, draft_policy=draft_policy) if method else None
     sched_kwargs = {key: v for key, v in kwargs.items() if key != "enable_prefix_caching"}
     return Scheduler(
         SchedulerConfig(budget, max_num_seqs, max_model_len, **sched_kwargs),  # type: ignore[arg-type]

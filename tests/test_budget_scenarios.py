@@ -76,6 +76,30 @@ def test_vllm_overflow_case_dflash_k8_never_exceeds_budget() -> None:
     assert shrunk > 0
 
 
+@pytest.mark.parametrize("policy", ["fixed", "fit"])
+def test_adaptive_policy_cuts_k_where_fixed_defers_sampling(policy: str) -> None:
+    """256 four-token prompts, dflash K=8, B=2048: 1024 target rows fit, but 256 query
+    blocks of 9 rows (2304) do not. "fixed" lets only 227 prompts sample this step (the
+    rest stop one token short); "fit" samples all 256, cutting k where the query pass
+    is full and reporting each cut with the k the rule allowed."""
+    budget = 2048
+    sched = make_scheduler("dflash", k=8, budget=budget, max_num_seqs=256, max_model_len=512,
+                           block_size=16, num_blocks=256 * 8, draft_policy=policy)
+    for i in range(256):
+        sched.add_request(make_request(f"r{i}", 4, max_tokens=64))
+    out = sched.schedule()
+    assert len(out.num_scheduled_tokens) == 256
+    assert out.pass_rows["query"] <= budget
+    whole = sum(1 for n in out.num_scheduled_tokens.values() if n == 4)
+    if policy == "fixed":
+        assert whole == budget // 9 and not out.adapted_draft_tokens
+    else:
+        assert whole == 256
+        assert out.adapted_draft_tokens
+        for rid, rule_k in out.adapted_draft_tokens.items():
+            assert out.num_draft_tokens.get(rid, 0) < rule_k == 8
+
+
 def test_52922_two_prefills_admitted_whole_under_dflash() -> None:
     """B=16, K=4, two 8-token prefills: 16 target rows, 16 context rows, 10 query rows.
     A flat per-request charge (8 + 5 each) would have admitted only one."""

@@ -43,11 +43,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         tight=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]),
         chunked=st.booleans(), acceptance=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
         max_num_seqs=st.integers(2, 8), empty_proposer=st.booleans(), seed=st.integers(0, 99),
+        adaptive=st.booleans(),
     )
     def setup(self, k: int, extra_budget: int, tight: bool, policy: str, chunked: bool,
-              acceptance: float, max_num_seqs: int, empty_proposer: bool, seed: int) -> None:
+              acceptance: float, max_num_seqs: int, empty_proposer: bool, seed: int,
+              adaptive: bool) -> None:
         method = self.method
-        spec = SpeculativeConfig(method, k) if method else None
+        self.adaptive = adaptive
+        spec = (SpeculativeConfig(method, k, draft_policy="fit" if adaptive else "fixed")
+                if method else None)
         self.max_k = k if method else 0
         budget = (max(min_decode_rows(spec).values()) if spec else 1) + extra_budget
         if not chunked:
@@ -173,7 +177,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             if rid in before:
                 assert before[rid][0] in (computed_before, 0) or req.num_preemptions
             k = out.num_draft_tokens.get(rid, 0)
-            assert k == expected_k(self.max_k, req, n, s, computed_before), (rid, n, s, k)
+            rule_k = expected_k(self.max_k, req, n, s, computed_before)
+            if rid in out.adapted_draft_tokens:  # only the adaptive policy may cut k
+                assert self.adaptive and k < rule_k == out.adapted_draft_tokens[rid]
+            else:
+                assert k == rule_k, (rid, n, s, k, rule_k)
 
     def _check_positions(self) -> None:
         step = self.runner.last_step
