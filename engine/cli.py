@@ -9,7 +9,7 @@ import sys
 from engine.simulate import WorkloadConfig, make_workload, run_simulation
 from runner.simulated import SimulatedRunner
 from scheduler import CacheConfig, ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
-from spec_decode import METHODS, SpeculativeConfig
+from spec_decode import DRAFT_POLICIES, METHODS, SpeculativeConfig
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -19,6 +19,7 @@ def _parser() -> argparse.ArgumentParser:
                          "and print each step's budget use per forward pass")
     sim.add_argument("--method", default="dflash", choices=(*METHODS, "none"))
     sim.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
+    sim.add_argument("--draft-policy", default="fixed", choices=DRAFT_POLICIES)
     sim.add_argument("--max-num-batched-tokens", type=int, default=512)
     sim.add_argument("--max-num-seqs", type=int, default=64)
     sim.add_argument("--max-model-len", type=int, default=4096)
@@ -68,7 +69,8 @@ class _Table:
 
 def simulate(args: argparse.Namespace) -> int:
     spec = (None if args.method == "none"
-            else SpeculativeConfig(args.method, args.num_speculative_tokens))
+            else SpeculativeConfig(args.method, args.num_speculative_tokens,
+                                   draft_policy=args.draft_policy))
     scheduler = Scheduler(
         SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len),
         CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks),

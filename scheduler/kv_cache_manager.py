@@ -42,8 +42,9 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block ids from index `start` on (new ones only, per step)."""
+        return [block.block_id for block in self.req_blocks.get(request_id, ())[start:]]
 
     def _block_hashes(self, request: Request) -> list[bytes]:
         hashes = self._hashes.setdefault(request.request_id, [])

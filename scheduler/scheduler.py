@@ -42,18 +42,27 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
 
     def _check_budget_config(self) -> None:
+        """Refuse a B that cannot serve one decoding request verifying and proposing K.
+
+        Checked against the rule's own starting budget, so a swapped-in rule that
+        reserves rows up front (benchmarks' vLLM rules) is refused too, not left to
+        admit nothing forever.
+        """
         spec = self.speculative_config
-        if spec is None:
-            return
-        need = min_decode_rows(spec)
-        widest = max(need, key=lambda name: need[name])
-        if need[widest] > self.config.max_num_batched_tokens:
+        max_k = self.rule.max_k
+        budget = self.config.max_num_batched_tokens
+        names = ("target",) + (self.layout.pass_names if self.layout else ())
+        rows = self.rule.plan(1 + max_k, max_k, max_k).rows
+        for name, need, have in zip(names, rows, self.rule.initial_budget(budget)):
+            if need <= have:
+                continue
+            method = spec.method if spec else "none"
+            need_all = min_decode_rows(spec) if spec else {"target": 1}
             raise ValueError(
-                f"max_num_batched_tokens={self.config.max_num_batched_tokens} is below one "
-                f"decoding request's cost under method={spec.method!r} with "
-                f"num_speculative_tokens={spec.num_speculative_tokens}: its {widest!r} pass "
-                f"needs {need[widest]} rows (all passes: {need}); set "
-                f"max_num_batched_tokens >= {need[widest]}"
+                f"max_num_batched_tokens={budget} is below one decoding request's cost "
+                f"under method={method!r} with num_speculative_tokens={max_k}: its "
+                f"{name!r} pass needs {need} rows but gets {have} (all passes: {need_all}); "
+                f"set max_num_batched_tokens >= {max(need_all.values()) + budget - have}"
             )
 
     # ---- requests in and out -------------------------------------------------
@@ -159,7 +168,7 @@ class Scheduler:
                     break
             if request.status == RequestStatus.RUNNING:
                 budget.charge(request.request_id, plan)
-                new_block_ids[request.request_id] = self.kv.block_ids(request.request_id)[held:]
+                new_block_ids[request.request_id] = self.kv.block_ids(request.request_id, held)
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":

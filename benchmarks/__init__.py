@@ -1,0 +1,1 @@
+"""Reproducible benchmarks (JSON out); each module also runs as a script."""

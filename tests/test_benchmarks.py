@@ -1,0 +1,29 @@
+"""The benchmarks run (quick mode) and report what they claim; no timing thresholds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks import scheduler_overhead, throttle_tightness
+
+
+def test_scheduler_overhead_quick(tmp_path: Path) -> None:
+    report = scheduler_overhead.main(["--quick", "--out", str(tmp_path / "o.json")])
+    assert (tmp_path / "o.json").exists()
+    methods = {row["method"] for row in report["results"]}
+    assert methods == {"off", "eagle", "dflash"}
+    assert all(row["median_us"] > 0 for row in report["results"])
+
+
+def test_throttle_tightness_quick(tmp_path: Path) -> None:
+    report = throttle_tightness.main(["--quick", "--out", str(tmp_path / "t.json")])
+    rows = [r for r in report["results"] if r["status"] == "ok"]
+    assert {r["rule"] for r in rows} == {"ours", "vllm_static", "vllm_flat"}
+    for row in rows:  # every rule stayed inside B in every pass the runner built
+        assert row["over_budget_steps"] == 0
+        assert row["max_target_rows_built"] <= row["max_num_batched_tokens"]
+        assert row["max_drafter_rows_built"] <= row["max_num_batched_tokens"]
+    ours = {(r["method"], r["k"]): r for r in rows if r["rule"] == "ours"}
+    for row in rows:  # on dflash, a reserving rule never drains sooner (step counts)
+        if row["method"] == "dflash" and row["rule"] != "ours":
+            assert ours[("dflash", row["k"])]["steps_to_drain"] <= row["steps_to_drain"]
