@@ -1,0 +1,33 @@
+"""Per-step attention metadata: an explicit object passed to forward, never a global."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each request's queries sit in the flat batch and where its KV lives.
+
+    Worked example: three requests scheduled with [2, 5, 3] tokens, already holding
+    [10, 0, 7] computed tokens, block_size 4:
+      query_start_loc = [0, 2, 7, 10]     # request i's queries: [qsl[i], qsl[i+1])
+      seq_lens        = [12, 5, 10]       # computed + scheduled: keys each one sees
+      slot_mapping[t] = block_table[req(t), pos(t) // 4] * 4 + pos(t) % 4
+    Query j of request i sits at position seq_lens[i] - num_query_i + j and attends
+    causally to every key at or before that position.
+    """
+
+    num_actual_tokens: int
+    num_reqs: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64
+    max_query_len: int
+    max_seq_len: int
+    # Host copies for the torch path's per-request loop (no device syncs there).
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
