@@ -1,0 +1,298 @@
+"""Llama-architecture decoder (SmolLM2 and any HF Llama checkpoint) over paged attention.
+
+Inputs are flat: the step's T tokens of every request in one batch, with positions;
+attention goes through an `AttentionBackend`, which writes each layer's K/V into the
+paged cache and attends over it as `AttentionMetadata` describes. The model holds no
+per-step state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.attention import AttentionBackend, AttentionMetadata
+
+# Checkpoint entries that carry no weights we need (old HF saves include the RoPE table).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's frequency-dependent RoPE rescaling ("llama3"), or plain "linear"."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The architecture fields of an HF Llama config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a "
+                             f"multiple of num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        """Build from a parsed HF config.json; refuses what this model cannot run."""
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported (Llama uses silu)")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            rope_scaling=_parse_rope_scaling(cfg.get("rope_scaling")),
+        )
+
+
+def _parse_rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
+    if not raw:
+        return None
+    kind = raw.get("rope_type", raw.get("type"))
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return RopeScaling("linear", float(raw["factor"]))
+    if kind == "llama3":
+        return RopeScaling("llama3", float(raw["factor"]), float(raw["low_freq_factor"]),
+                           float(raw["high_freq_factor"]),
+                           int(raw["original_max_position_embeddings"]))
+    raise ValueError(f"rope_scaling type {kind!r} is not supported "
+                     f"(supported: default, linear, llama3)")
+
+
+def rope_inv_freq(config: LlamaConfig, device: torch.device) -> torch.Tensor:
+    """Per-pair rotation frequencies [head_dim / 2], fp32, scaling applied."""
+    dim = config.head_dim
+    exponent = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+    inv_freq = 1.0 / (config.rope_theta ** exponent)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    ramped = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    middle = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return torch.where(middle, ramped, out)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF rotate_half RoPE: dims (i, i + D/2) of each head form one rotated pair.
+
+    x [T, H, D]; cos, sin [T, 1, D] (each frequency repeated for both halves).
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 like HF so bf16 runs match it."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Q/K/V projections, RoPE, paged attention through the backend, output projection."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                attn: AttentionBackend) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        if out.shape[0] < num_tokens:
+            # Backends return only meta.num_actual_tokens rows; padding rows (fixed-size
+            # batches) get zeros so every layer keeps T rows.
+            out = F.pad(out, (0, 0, 0, 0, 0, num_tokens - out.shape[0]))
+        return self.o_proj(out.reshape(num_tokens, -1))  # [T, hidden]
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                attn: AttentionBackend) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder with an LM head; `forward` gives hidden states, `compute_logits`
+    turns the rows the sampler needs into fp32 logits."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        # RoPE frequencies, made on first use on the input's device: a plain attribute
+        # (not a buffer) survives meta-device construction and dtype casts untouched.
+        self._inv_freq: torch.Tensor | None = None
+
+    def tie_weights(self) -> None:
+        """Share the embedding as the LM head when the config says so. Called again on
+        load: materialising a meta-device model (to_empty) unties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _rope_cos_sin(self, positions: torch.Tensor,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            self._inv_freq = rope_inv_freq(self.config, positions.device)
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]  # [T, D/2], fp32
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden].
+
+        kv_caches[i] = (key_cache, value_cache) of layer i, each
+        [num_blocks, block_size, num_kv_heads, head_dim].
+        """
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for "
+                             f"{len(self.model.layers)} layers")
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self._rope_cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta, attn)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] in fp32 (sampling wants fp32)."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy an HF-named state dict in, strictly: every parameter must be given once
+        with its shape, and nothing else. A tied model ignores a stored lm_head.weight."""
+        self.tie_weights()
+        params = dict(self.named_parameters())  # a tied lm_head appears only as the embedding
+        given = {name for name in state
+                 if not name.endswith(_IGNORED_SUFFIXES)
+                 and not (self.config.tie_word_embeddings and name == "lm_head.weight")}
+        missing, unexpected = sorted(params.keys() - given), sorted(given - params.keys())
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the Llama model: "
+                             f"missing {_preview(missing)}, unexpected {_preview(unexpected)}")
+        with torch.no_grad():
+            for name, param in params.items():
+                tensor = state[name]
+                if tensor.shape != param.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
+                                     f"model shape {tuple(param.shape)}")
+                param.copy_(tensor)
+
+
+def _preview(names: list[str], limit: int = 5) -> str:
+    if not names:
+        return "none"
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
