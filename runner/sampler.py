@@ -1,0 +1,237 @@
+"""Token sampler: greedy, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
+
+One `Sampler.forward` call samples one token for each of N rows (one row per request
+that samples this step). Everything is vectorised over the batch except the draws of
+seeded requests, which are made row by row from each request's own generator: a
+seeded request's token then depends only on its own logits and seed, never on which
+other requests share the batch or at which row it sits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from scheduler.request import SamplingParams
+
+# Temperatures below this are greedy: dividing by them would overflow fp32 logits.
+SAMPLING_EPS = 1e-5
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A request's own random stream, created once when the request starts."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters for one step, as tensors on the logits' device.
+
+    Row i belongs to the i-th request that samples this step. The boolean flags are
+    host-side summaries the caller computes from its own host arrays, so the fast
+    paths cost no device sync: `all_greedy` skips softmax and sampling, `no_top_k` /
+    `no_top_p` together skip the sort, `no_min_p` skips the min-p mask. They must agree
+    with the tensors (a flag that lies skips work a row needs); `from_arrays` sets them.
+    `generators` maps a row to its request's generator, for requests with a seed.
+    `max_num_logprobs`: None = no logprobs; n >= 0 = the sampled token's logprob plus
+    the top n for every row.
+    """
+
+    temperature: torch.Tensor  # [N] fp32, 0.0 = greedy
+    top_p: torch.Tensor  # [N] fp32, 1.0 = off
+    top_k: torch.Tensor  # [N] int64, 0 = off
+    min_p: torch.Tensor  # [N] fp32, 0.0 = off
+    generators: dict[int, torch.Generator]
+    all_greedy: bool
+    all_random: bool
+    no_top_p: bool
+    no_top_k: bool
+    no_min_p: bool
+    max_num_logprobs: int | None = None
+
+    @classmethod
+    def from_arrays(
+        cls,
+        temperature: np.ndarray,
+        top_p: np.ndarray,
+        top_k: np.ndarray,
+        min_p: np.ndarray,
+        generators: dict[int, torch.Generator],
+        max_num_logprobs: int | None,
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
+        """Build from host arrays of N rows (the runner's per-request arrays, gathered).
+
+        The flags are computed here on the host, so building costs no device sync.
+        Temperatures below SAMPLING_EPS become 0.0 (greedy).
+        """
+        greedy = temperature < SAMPLING_EPS  # [N] bool
+        random = ~greedy
+        temperature = np.where(greedy, 0.0, temperature)
+
+        def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.as_tensor(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+
+        return cls(
+            temperature=to_device(temperature, torch.float32),
+            top_p=to_device(top_p, torch.float32),
+            top_k=to_device(top_k, torch.int64),
+            min_p=to_device(min_p, torch.float32),
+            generators=dict(generators),
+            all_greedy=bool(greedy.all()),
+            all_random=bool(random.all()),
+            # Filters only matter on random rows: a greedy row's top_k never costs a sort.
+            no_top_p=not bool((random & (top_p < 1.0)).any()),
+            no_top_k=not bool((random & (top_k > 0)).any()),
+            no_min_p=not bool((random & (min_p > 0.0)).any()),
+            max_num_logprobs=max_num_logprobs,
+        )
+
+    @classmethod
+    def from_sampling_params(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: dict[int, torch.Generator] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
+        """Build for rows `params[0..N)`; `generators` is keyed by row (tests, simple callers)."""
+        num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return cls.from_arrays(
+            temperature=np.array([p.temperature for p in params], dtype=np.float32),
+            top_p=np.array([p.top_p for p in params], dtype=np.float32),
+            top_k=np.array([p.top_k for p in params], dtype=np.int64),
+            min_p=np.array([p.min_p for p in params], dtype=np.float32),
+            generators=generators or {},
+            max_num_logprobs=max(num_logprobs) if num_logprobs else None,
+            device=device,
+        )
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of the raw logits (before temperature and filters), as in vLLM.
+
+    Column 0 is the sampled token; columns 1..n are the top n tokens, most likely first.
+    """
+
+    token_ids: torch.Tensor  # [N, n + 1] int64
+    logprobs: torch.Tensor  # [N, n + 1] fp32
+    selected_token_ranks: torch.Tensor  # [N] int64, 1 = the most likely token
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row, and its logprobs when any request asked for them."""
+
+    sampled_token_ids: torch.Tensor  # [N] int64
+    logprobs: LogprobsTensors | None
+
+
+class Sampler:
+    """Samples one token per row from [N, V] fp32 logits; never modifies the logits.
+
+    Greedy rows take the argmax. Random rows: logits / T, then top-k, then top-p over
+    the renormalised top k, then min-p, then one exponential-race draw per row.
+    """
+
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        # From the raw logits (before temperature and filters), as vLLM reports them.
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
+        if meta.all_greedy:
+            sampled = logits.argmax(dim=-1)  # [N]
+        else:
+            sampled = self._sample_random(logits, meta)  # [N]
+            if not meta.all_random:
+                greedy_rows = meta.temperature < SAMPLING_EPS  # [N]
+                sampled = torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+        logprobs = None
+        if raw_logprobs is not None and meta.max_num_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    __call__ = forward
+
+    def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        # Greedy rows of a mixed batch run through with T = 1 (no division by zero);
+        # their result is replaced by the argmax afterwards.
+        temperature = torch.where(meta.temperature < SAMPLING_EPS, 1.0, meta.temperature)
+        logits = logits / temperature.unsqueeze(1)  # [N, V], a copy: the input stays intact
+        if not (meta.no_top_k and meta.no_top_p):
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        if not meta.no_min_p:
+            logits = apply_min_p(logits, meta.min_p)
+        probs = torch.softmax(logits, dim=-1)  # [N, V]
+        return exponential_race(probs, meta.generators)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top k, then outside its nucleus.
+
+    One descending sort serves both filters. The nucleus is taken over the top-k
+    distribution renormalised: the smallest prefix whose mass reaches p.
+    Worked example, sorted probs [0.5, 0.3, 0.15, 0.05], p = 0.8:
+      mass before each token = [0, 0.5, 0.8, 0.95]; keep where < p -> first two.
+    """
+    vocab_size = logits.shape[-1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [N, V]
+    positions = torch.arange(vocab_size, device=logits.device)  # [V]
+    k = torch.where(top_k > 0, top_k, vocab_size)  # [N]; k > V masks nothing
+    sorted_logits.masked_fill_(positions >= k.unsqueeze(1), float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [N, V]
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [N, V]
+    # Rows with p = 1 are left alone: a rounded cumsum can reach 1.0 before the tail.
+    outside = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    outside[:, 0] = False  # the top token always stays, whatever rounding does
+    sorted_logits.masked_fill_(outside, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose prob is below min_p times the row's max prob.
+
+    Done in log space (logit >= max logit + log min_p): no softmax and no sort, and
+    the result is the same before or after the other filters since they keep the max.
+    """
+    max_logits = logits.max(dim=-1, keepdim=True).values  # [N, 1]
+    threshold = max_logits + torch.log(min_p).unsqueeze(1)  # [N, 1]; min_p = 0 -> -inf
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Sample each row from `probs` as argmax(probs / q), q ~ Exp(1) per token.
+
+    Equivalent to a categorical draw, with no cumsum or host sync. Seeded rows draw
+    their q from their own generator, row by row; all other rows share one call.
+    """
+    q = torch.empty_like(probs)  # [N, V]
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    # q = 0 would turn a masked token's 0 / 0 into NaN, which argmax would pick.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div(q).argmax(dim=-1)
+
+
+def gather_logprobs(
+    raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int
+) -> LogprobsTensors:
+    """The sampled token's logprob and rank, then the top `num_logprobs` tokens."""
+    sampled = sampled.unsqueeze(1)  # [N, 1]
+    sampled_logprobs = raw_logprobs.gather(1, sampled)  # [N, 1]
+    top_logprobs, top_ids = raw_logprobs.topk(num_logprobs, dim=-1)  # [N, n], descending
+    ranks = (raw_logprobs > sampled_logprobs).sum(dim=-1) + 1  # [N]
+    return LogprobsTensors(
+        token_ids=torch.cat([sampled, top_ids], dim=1),
+        logprobs=torch.cat([sampled_logprobs, top_logprobs], dim=1),
+        selected_token_ranks=ranks,
+    )
