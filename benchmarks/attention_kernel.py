@@ -1,0 +1,163 @@
+"""Paged attention time per forward: the torch path vs the Triton kernel, in milliseconds.
+
+Shapes are SmolLM2-135M's attention (9 query heads over 3 KV heads, head_dim 64) with
+block_size 16 and shuffled block tables; each timed call includes the K/V cache write.
+On CUDA (bf16): decode batches of 1/8/32/128 requests at context 1k and 4k, and one
+512-token prefill, with torch/triton ratios and the largest output difference. On CPU
+only the torch path is timed, on a small fp32 batch: the Triton path needs CUDA.
+
+    python benchmarks/attention_kernel.py [--quick] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make the repo's packages importable
+    sys.path.insert(0, str(ROOT))
+
+from runner.attention import AttentionBackend, AttentionMetadata  # noqa: E402
+from runner.attention.torch_paged import TorchPagedAttention  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "attention_kernel.json"
+
+# (case, batch, context, query tokens per request); context counts the new tokens too.
+CUDA_CASES = [("decode", b, ctx, 1) for ctx in (1024, 4096) for b in (1, 8, 32, 128)]
+CUDA_CASES.append(("prefill", 1, 512, 512))
+CUDA_QUICK = [("decode", 8, 1024, 1), ("prefill", 1, 512, 512)]
+CPU_CASES = [("decode", 8, 256, 1), ("prefill", 1, 128, 128)]
+CPU_QUICK = [("decode", 2, 64, 1), ("prefill", 1, 32, 32)]
+
+
+Tensors5 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def make_inputs(batch: int, context: int, num_q: int, dtype: torch.dtype, device: str,
+                seed: int = 0) -> tuple[Tensors5, AttentionMetadata]:
+    """(query, key, value, key_cache, value_cache) and metadata for `batch` equal requests."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_req = -(-context // BLOCK_SIZE)
+    num_blocks = batch * blocks_per_req
+    table = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_req)
+    positions = torch.arange(context - num_q, context)
+    # slot of position p = table[req, p // bs] * bs + p % bs, for this step's tokens
+    slots = table[:, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    num_tokens = batch * num_q
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    kv_shape = (num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    tensors: Tensors5 = (randn(num_tokens, NUM_HEADS, HEAD_DIM), randn(*kv_shape),
+                         randn(*kv_shape), randn(*cache_shape), randn(*cache_shape))
+    query_start_loc = list(range(0, num_tokens + 1, num_q))
+    meta = AttentionMetadata(
+        num_actual_tokens=num_tokens, num_reqs=batch,
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        block_table=table.to(device=device, dtype=torch.int32),
+        slot_mapping=slots.flatten().to(device),
+        max_query_len=num_q, max_seq_len=context,
+        query_start_loc_cpu=query_start_loc, seq_lens_cpu=[context] * batch,
+    )
+    return tensors, meta
+
+
+def time_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
+    """Median wall time of one call; CUDA calls are synchronised around each one."""
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def run_case(case: tuple[str, int, int, int], backends: dict[str, AttentionBackend],
+             dtype: torch.dtype, device: str, warmup: int, repeats: int) -> dict:
+    name, batch, context, num_q = case
+    tensors, meta = make_inputs(batch, context, num_q, dtype, device)
+    scale = HEAD_DIM ** -0.5
+    record: dict = {"case": name, "batch": batch, "context": context, "query_tokens": num_q}
+    outs = {}
+    for label, backend in backends.items():
+        def call(backend: AttentionBackend = backend) -> torch.Tensor:
+            return backend.forward(*tensors, meta, scale)
+
+        outs[label] = call()
+        record[f"{label}_ms"] = round(time_ms(call, warmup, repeats), 4)
+    if "triton" in outs:
+        diff = (outs["triton"].float() - outs["torch"].float()).abs().max().item()
+        record["max_abs_diff"] = float(f"{diff:.3g}")
+        record["torch_over_triton"] = round(record["torch_ms"] / record["triton_ms"], 2)
+    return record
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON output path (default {DEFAULT_OUT.relative_to(ROOT)}; "
+                             "--quick: *_quick.json, so a test never overwrites a full run)")
+    parser.add_argument("--quick", action="store_true", help="a few seconds, for tests")
+    args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = DEFAULT_OUT.with_stem(DEFAULT_OUT.stem + "_quick") if args.quick else DEFAULT_OUT
+    backends: dict[str, AttentionBackend] = {"torch": TorchPagedAttention()}
+    if torch.cuda.is_available():
+        from runner.attention.triton_paged import TritonPagedAttention
+
+        backends["triton"] = TritonPagedAttention()
+        device, dtype, cases = "cuda", torch.bfloat16, CUDA_QUICK if args.quick else CUDA_CASES
+        triton_note = "timed"
+    else:
+        device, dtype, cases = "cpu", torch.float32, CPU_QUICK if args.quick else CPU_CASES
+        triton_note = "not timed: the Triton path needs CUDA (interpreted Triton is no timing)"
+    warmup, repeats = (1, 3) if args.quick else (3, 20)
+    records = [run_case(c, backends, dtype, device, warmup, repeats) for c in cases]
+    device_name = (torch.cuda.get_device_name() if device == "cuda"
+                   else platform.processor() or platform.machine())
+    report = {
+        "benchmark": "attention_kernel",
+        "quick": args.quick,
+        "device": device_name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+                  "block_size": BLOCK_SIZE},
+        "timed": "one forward (cache write + attention), median of repeats, milliseconds",
+        "repeats": repeats,
+        "triton": triton_note,
+        "torch": torch.__version__,
+        "results": records,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    for r in records:
+        extra = (f"  triton {r['triton_ms']:8.3f} ms  torch/triton {r['torch_over_triton']:.2f}x"
+                 if "triton_ms" in r else "")
+        print(f"{r['case']:<8}batch {r['batch']:>4}  context {r['context']:>5}  "
+              f"torch {r['torch_ms']:8.3f} ms{extra}")
+    print(f"triton: {triton_note}\nwrote {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""Paged attention: the torch path against a dense reference, Triton against torch.
+
+A batch is a list of (num_computed, num_new) per request: num_computed keys already in
+the cache from earlier steps, num_new query tokens scheduled now (their K/V are written
+by the backend). Block tables are shuffled, the caches start as NaN and every table
+pads with a NaN block, so a read of a slot no token owns poisons the output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from runner.attention.torch_paged import TorchPagedAttention
+
+# A decode, a fresh prefill, a chunk continuing after a 9-token cached prefix
+# (first query at position 9, mid-block for block_size 4 and 16), another decode.
+MIXED = [(13, 1), (0, 7), (9, 6), (20, 1)]
+
+
+@dataclass
+class Batch:
+    """One step's inputs, plus each request's whole K/V sequence held contiguously."""
+
+    query: torch.Tensor  # [T, num_heads, head_dim]
+    key: torch.Tensor  # [T, num_kv_heads, head_dim]
+    value: torch.Tensor  # [T, num_kv_heads, head_dim]
+    key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor
+    meta: AttentionMetadata
+    full_k: list[torch.Tensor]  # per request [seq_len, num_kv_heads, head_dim]
+    full_v: list[torch.Tensor]
+    slots: list[list[int]]  # per request, the cache slot of each position 0..seq_len-1
+
+    def clone_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.key_cache.clone(), self.value_cache.clone()
+
+
+def make_batch(reqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int,
+               head_dim: int, block_size: int, dtype: torch.dtype = torch.float32,
+               device: str = "cpu", seed: int = 0) -> Batch:
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    seq_lens = [c + n for c, n in reqs]
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    # Two spare blocks nobody owns; the last one pads every block table.
+    num_blocks = sum(blocks_per_req) + 2
+    physical = torch.randperm(num_blocks, generator=gen).tolist()
+    pad_block = physical[-1]
+    table = []
+    for nb in blocks_per_req:
+        table.append(physical[:nb] + [pad_block] * (max(blocks_per_req) - nb))
+        physical = physical[nb:]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    flat_k, flat_v = key_cache.view(-1, num_kv_heads, head_dim), value_cache.view(
+        -1, num_kv_heads, head_dim)
+
+    full_k, full_v, slots, queries, slot_mapping = [], [], [], [], []
+    for i, (computed, new) in enumerate(reqs):
+        full_k.append(randn(computed + new, num_kv_heads, head_dim))
+        full_v.append(randn(computed + new, num_kv_heads, head_dim))
+        queries.append(randn(new, num_heads, head_dim))
+        slots.append([table[i][p // block_size] * block_size + p % block_size
+                      for p in range(computed + new)])
+        for p in range(computed):  # earlier steps wrote the cached prefix
+            flat_k[slots[i][p]] = full_k[i][p]
+            flat_v[slots[i][p]] = full_v[i][p]
+        slot_mapping += slots[i][computed:]
+
+    q_lens = [n for _, n in reqs]
+    query_start_loc = [0]
+    for n in q_lens:
+        query_start_loc.append(query_start_loc[-1] + n)
+    meta = AttentionMetadata(
+        num_actual_tokens=sum(q_lens), num_reqs=len(reqs),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_table=torch.tensor(table, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
+    )
+    return Batch(
+        query=torch.cat(queries).to(device),
+        key=torch.cat([k[c:] for k, (c, _) in zip(full_k, reqs, strict=True)]).to(device),
+        value=torch.cat([v[c:] for v, (c, _) in zip(full_v, reqs, strict=True)]).to(device),
+        key_cache=key_cache.to(device), value_cache=value_cache.to(device), meta=meta,
+        full_k=full_k, full_v=full_v, slots=slots,
+    )
+
+
+def dense_reference(batch: Batch, scale: float) -> torch.Tensor:
+    """Per request: full K/V in order, an explicit causal mask, plain softmax, float64."""
+    outs = []
+    starts = batch.meta.query_start_loc_cpu
+    group = batch.query.shape[1] // batch.full_k[0].shape[1]
+    for i, (k, v) in enumerate(zip(batch.full_k, batch.full_v, strict=True)):
+        q = batch.query[starts[i]:starts[i + 1]].cpu().double()
+        k = k.double().repeat_interleave(group, dim=1)  # query head h reads KV head h // group
+        v = v.double().repeat_interleave(group, dim=1)
+        seq_len, num_q = k.shape[0], q.shape[0]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(seq_len - num_q, seq_len)
+        causal = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [num_q, seq_len]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+    return torch.cat(outs)
+
+
+def run(backend_name: str, batch: Batch, scale: float, **kwargs: int
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Output and the caches it wrote, on fresh copies of the batch's caches."""
+    if backend_name == "torch":
+        backend: AttentionBackend = TorchPagedAttention()
+    else:
+        from runner.attention.triton_paged import TritonPagedAttention
+
+        backend = TritonPagedAttention(**kwargs)
+    key_cache, value_cache = batch.clone_caches()
+    out = backend.forward(batch.query, batch.key, batch.value, key_cache, value_cache,
+                          batch.meta, scale)
+    return out, key_cache, value_cache
+
+
+def check_cache_writes(batch: Batch, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor) -> None:
+    """Every position of every request is at its slot; every other slot is untouched."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    flat_k = key_cache.view(-1, num_kv_heads, head_dim).cpu()
+    flat_v = value_cache.view(-1, num_kv_heads, head_dim).cpu()
+    owned = torch.zeros(flat_k.shape[0], dtype=torch.bool)
+    for k, v, slots in zip(batch.full_k, batch.full_v, batch.slots, strict=True):
+        assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
+        owned[slots] = True
+    assert flat_k[~owned].isnan().all() and flat_v[~owned].isnan().all()
+
+
+# (a) torch path against the dense reference ------------------------------------------
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4)])
+def test_torch_path_matches_dense_reference(block_size: int, num_heads: int,
+                                            num_kv_heads: int) -> None:
+    batch = make_batch(MIXED, num_heads, num_kv_heads, head_dim=32, block_size=block_size)
+    scale = 1 / math.sqrt(32)
+    out, key_cache, value_cache = run("torch", batch, scale)
+    assert out.shape == batch.query.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), dense_reference(batch, scale),
+                               atol=1e-5, rtol=1e-5)
+    check_cache_writes(batch, key_cache, value_cache)
+
+
+# (b) Triton path under the interpreter, against the torch path ------------------------
+
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
+# Tiny mixed batches: a chunk after a prefix spanning two query tiles (8 queries from
+# flat offset 3), a fresh prefill, a decode; seq_len <= 24.
+TINY = [(1, 2), (16, 8), (0, 5), (23, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "tile_n"), [
+    (4, 2, 16, 8),  # GQA group 2; 8-key tiles: up to 3 online-softmax steps
+    (3, 1, 32, 16),  # group 3 (BLOCK_Q = 5, one padding row per tile)
+    (2, 2, 16, 64),  # no GQA; the default tile holds every key
+])
+def test_triton_matches_torch_interpreted(dtype: torch.dtype, num_heads: int,
+                                          num_kv_heads: int, head_dim: int,
+                                          tile_n: int) -> None:
+    batch = make_batch(TINY, num_heads, num_kv_heads, head_dim, block_size=4, dtype=dtype)
+    scale = 1 / math.sqrt(head_dim)
+    ref, ref_k, ref_v = run("torch", batch, scale)
+    out, key_cache, value_cache = run("triton", batch, scale, tile_n=tile_n)
+    assert out.dtype == dtype and out.shape == batch.query.shape
+    torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(key_cache.isnan(), ref_k.isnan())
+    torch.testing.assert_close(key_cache, ref_k, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(value_cache, ref_v, equal_nan=True, atol=0, rtol=0)
+
+
+def test_triton_rejects_unsupported_shapes() -> None:
+    batch = make_batch([(0, 2)], 3, 2, 16, block_size=4)
+    backend = get_attention_backend("triton")
+    assert backend.name == "triton"
+    with pytest.raises(ValueError, match="multiple"):
+        backend.forward(batch.query, batch.key, batch.value, *batch.clone_caches(),
+                        batch.meta, 0.25)
+    with pytest.raises(ValueError, match="powers of two"):
+        type(backend)(tile_n=24)  # type: ignore[call-arg]
+
+
+# (c) Triton on CUDA against torch on CUDA ---------------------------------------------
+
+GPU_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+# 8 requests: a 1024-token prefill, prefill chunks after cached prefixes (one mid-block),
+# verify-shaped 5-token steps, decodes at short and long contexts.
+GPU_MIXED = [(0, 1024), (300, 200), (37, 64), (1000, 5), (4095, 1), (17, 1), (511, 5),
+             (2048, 1)]
+GPU_DECODES = [(64 + 31 * i, 1) for i in range(64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("reqs", [GPU_MIXED, GPU_DECODES], ids=["mixed", "decodes64"])
+def test_triton_matches_torch_on_cuda(reqs: list[tuple[int, int]], dtype: torch.dtype
+                                      ) -> None:
+    # SmolLM2-135M's attention: 9 query heads over 3 KV heads, head_dim 64.
+    batch = make_batch(reqs, 9, 3, 64, block_size=16, dtype=dtype, device="cuda")
+    scale = 1 / 8
+    ref, ref_k, ref_v = run("torch", batch, scale)
+    out, key_cache, value_cache = run("triton", batch, scale)
+    err = (out.float() - ref.float()).abs().max().item()
+    torch.testing.assert_close(out, ref, atol=GPU_TOL[dtype], rtol=GPU_TOL[dtype],
+                               msg=lambda m: f"{m}\nmax abs err {err:.3g}")
+    torch.testing.assert_close(key_cache, ref_k, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(value_cache, ref_v, equal_nan=True, atol=0, rtol=0)
+
+
+# The benchmark runs (quick mode) and reports what it claims; no timing thresholds.
+
+def test_attention_benchmark_quick(tmp_path: Path) -> None:
+    from benchmarks import attention_kernel
+
+    report = attention_kernel.main(["--quick", "--out", str(tmp_path / "a.json")])
+    assert (tmp_path / "a.json").exists()
+    assert report["results"] and all(r["torch_ms"] > 0 for r in report["results"])
+    if not torch.cuda.is_available():
+        assert "CUDA" in report["triton"]
