@@ -27,3 +27,13 @@ def test_throttle_tightness_quick(tmp_path: Path) -> None:
     for row in rows:  # on dflash, a reserving rule never drains sooner (step counts)
         if row["method"] == "dflash" and row["rule"] != "ours":
             assert ours[("dflash", row["k"])]["steps_to_drain"] <= row["steps_to_drain"]
+
+
+def test_runner_step_quick(tmp_path: Path) -> None:
+    from benchmarks import runner_step
+
+    report = runner_step.main(["--quick", "--device", "cpu", "--out", str(tmp_path / "r.json")])
+    cases = [row["case"] for row in report["results"]]
+    assert cases == ["decode x1", "decode x8", "decode x32", "prefill 128"]
+    for row in report["results"]:
+        assert row["step_ms"] > 0 and 0 < row["prepare_fraction"] < 1

@@ -1,0 +1,74 @@
+"""The runner's persistent per-request state: one row per running request.
+
+Rows are reused as requests come and go; arrays are allocated once, sized by
+max_num_seqs (and max_model_len for token ids and block tables).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from scheduler.outputs import CachedRequestData, NewRequestData
+
+
+class RequestStates:
+    """Token ids, counters, block tables and sampling settings, indexed by row."""
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_req: int,
+                 device: torch.device) -> None:
+        self.device = device
+        self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)  # known: prompt + output
+        self.num_computed = np.zeros(max_num_seqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_seqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.temperature = np.zeros(max_num_seqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_seqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_seqs, dtype=np.int64)
+        self.min_p = np.zeros(max_num_seqs, dtype=np.float32)
+        self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)  # -1: none asked
+        self.generators: dict[int, torch.Generator] = {}
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def remove(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self.generators.pop(row, None)
+            self._free_rows.append(row)
+
+    def add(self, new: NewRequestData) -> None:
+        self.remove(new.req_id)  # a preempted request comes back as new
+        row = self._free_rows.pop()
+        self.row_of[new.req_id] = row
+        tokens = new.prompt_token_ids + new.output_token_ids
+        self.token_ids[row, :len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_computed[row] = new.num_computed_tokens
+        self.num_blocks[row] = 0
+        self._append_blocks(row, new.block_ids)
+        params = new.sampling_params
+        self.temperature[row] = params.temperature
+        self.top_p[row] = params.top_p
+        self.top_k[row] = params.top_k
+        self.min_p[row] = params.min_p
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        if params.seed is not None and params.temperature > 0:
+            # The request's own generator: its draws never depend on the batch.
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+            self.generators[row] = gen
+
+    def update(self, cached: CachedRequestData) -> None:
+        row = self.row_of[cached.req_id]
+        self.num_computed[row] = cached.num_computed_tokens
+        self._append_blocks(row, cached.new_block_ids)
+
+    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[row]
+        self.block_table[row, start:start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
