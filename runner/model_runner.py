@@ -1,8 +1,10 @@
 """ModelRunner: executes a SchedulerOutput on the model, returns a ModelRunnerOutput.
 
-Per step: sync request state from the output, count the passes and assert the budget
-invariant (before any buffer write), prepare inputs into the persistent buffers, run
-the forward pass over the paged KV cache, sample, and report.
+Per step: sync request state from the output; count every pass the step will build
+(target, and each drafter pass from n and k alone) and assert the budget invariant
+before any buffer write; prepare inputs into the persistent buffers; run the target
+forward over the paged KV cache; sample, or verify drafts with the rejection sampler;
+then propose the next drafts (token lookup, or drafter passes in the same buffers).
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ import torch
 from runner.attention import AttentionMetadata, get_attention_backend
 from runner.buffers import StepBuffers
 from runner.config import RunnerConfig, kv_bytes_per_block
+from runner.draft_passes import StepResult, pass_rows, sequential_rows
 from runner.input_prep import PreparedStep, prepare_inputs, write_spec_tokens
 from runner.invariant import check_pass_rows
 from runner.model_loader import load_model
 from runner.model_prep import resolve_model
 from runner.models.llama import LlamaForCausalLM
 from runner.request_states import RequestStates
-from runner.sampler import Sampler, SamplerOutput, SamplingMetadata
+from runner.sampler import Sampler, SamplingMetadata
+from runner.spec import SpecDecoder
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from spec_decode import SpeculativeConfig
@@ -45,8 +49,9 @@ class ModelRunner:
         self.speculative_config = speculative_config
         self.block_size = block_size
         self.device = torch.device(config.device)
+        self.model_path = resolve_model(config.model)
         if model is None:
-            model = load_model(resolve_model(config.model), config.torch_dtype, self.device)
+            model = load_model(self.model_path, config.torch_dtype, self.device)
         self.model = model
         self.model_config = model.config
         self.attn = get_attention_backend(config.backend_name)
@@ -56,6 +61,9 @@ class ModelRunner:
                                    scheduler_config.max_num_seqs, max_blocks, self.device)
         self.states = RequestStates(scheduler_config.max_num_seqs,
                                     scheduler_config.max_model_len, max_blocks, self.device)
+        self.spec = (SpecDecoder(speculative_config, model, self.buffers, self.states,
+                                 block_size, self.attn, scheduler_config.max_num_batched_tokens)
+                     if speculative_config else None)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Seconds per phase of the last step, when `record_timings` is on (benchmarks).
         self.record_timings = False
@@ -74,11 +82,16 @@ class ModelRunner:
 
     # ---- KV cache ---------------------------------------------------------------
 
-    def num_kv_blocks(self) -> int:
-        """Blocks the configured KV memory buys; the engine hands this to the scheduler."""
+    def _kv_bytes_per_block(self) -> int:
         cfg = self.model_config
         per_block = kv_bytes_per_block(cfg.num_hidden_layers, cfg.num_key_value_heads,
                                        cfg.head_dim, self.block_size, self.config.torch_dtype)
+        return per_block + (self.spec.kv_bytes_per_block() if self.spec else 0)
+
+    def num_kv_blocks(self) -> int:
+        """Blocks the configured KV memory buys (target and drafter caches together);
+        the engine hands this number to the scheduler's CacheConfig."""
+        per_block = self._kv_bytes_per_block()
         num_blocks = self.config.kv_cache_memory_bytes // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_bytes={self.config.kv_cache_memory_bytes} "
@@ -88,53 +101,80 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         cfg = self.model_config
         shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        dtype = self.config.torch_dtype
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device))
+            (torch.zeros(shape, dtype=dtype, device=self.device),
+             torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(cfg.num_hidden_layers)
         ]
+        if self.spec:
+            self.spec.initialize_kv_cache(num_blocks)
 
     @property
     def persistent_buffer_bytes(self) -> int:
-        """Bytes of the step buffers; independent of speculative decoding."""
+        """Bytes of the target's step buffers: the same with speculative decoding on or
+        off (drafter passes reuse them)."""
         return self.buffers.nbytes
+
+    @property
+    def drafter_buffer_bytes(self) -> int:
+        return self.spec.buffer_bytes if self.spec else 0
 
     # ---- one step ---------------------------------------------------------------
 
     def _sync_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids | out.preempted_req_ids:
             self.states.remove(req_id)
+            if self.spec:
+                self.spec.remove_request(req_id, req_id in out.finished_req_ids)
         for new in out.scheduled_new_reqs:
             self.states.add(new)
+            if self.spec:
+                self.spec.add_request(new.req_id, new.prompt_token_ids + new.output_token_ids)
         for cached in out.scheduled_cached_reqs:
             self.states.update(cached)
+
+    def _check_budget(self, out: SchedulerOutput, n: np.ndarray, k: np.ndarray) -> None:
+        """Count the rows of every pass this step will build; assert before writing."""
+        counts = {"target": int(n.sum())}
+        method = self.speculative_config.method if self.speculative_config else None
+        if method is not None:
+            counts.update({name: int(r.sum()) for name, r in pass_rows(method, n, k).items()})
+            for j, rows in enumerate(sequential_rows(method, k), start=1):
+                counts[f"step_{j}"] = rows
+        check_pass_rows(method, out.max_num_batched_tokens, counts, out.num_drafter_tokens)
+        self.last_pass_rows = counts
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._sync_states(out)
         req_ids = list(out.num_scheduled_tokens)
-        num_scheduled = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int64,
-                                    count=len(req_ids))
-        # Count the target pass from what we were asked to build, then assert, before
-        # any buffer is written.
-        check_pass_rows(out.spec_method, out.max_num_batched_tokens,
-                        {"target": int(num_scheduled.sum())}, 0)
+        n = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        k = np.array([out.num_draft_tokens.get(r, 0) for r in req_ids], dtype=np.int64)
+        self._check_budget(out, n, k)
         if not req_ids:
-            return ModelRunnerOutput([], [], {}, pass_rows={"target": 0})
-        if out.scheduled_spec_decode_tokens:
-            raise NotImplementedError("draft verification lands with spec_decode proposers")
-        num_spec = np.zeros(len(req_ids), dtype=np.int64)
+            return ModelRunnerOutput([], [], {}, pass_rows=self.last_pass_rows)
+        spec = out.scheduled_spec_decode_tokens
+        num_spec = np.array([len(spec.get(r, ())) for r in req_ids], dtype=np.int64)
         with self._phase("prepare"):
-            write_spec_tokens(self.states, out.scheduled_spec_decode_tokens)
-            step = prepare_inputs(self.states, self.buffers, req_ids, num_scheduled, num_spec,
+            write_spec_tokens(self.states, spec)
+            step = prepare_inputs(self.states, self.buffers, req_ids, n, num_spec,
                                   self.block_size)
+            computed = self.states.num_computed[step.rows].copy()
         with self._phase("forward"):
             hidden = self._forward(step)
             logits_idx = self.buffers.logits_indices.copy_to_device(step.num_logits)
             logits = self.model.compute_logits(hidden[logits_idx])  # [num_logits, V]
         with self._phase("sample"):
-            sampled = self._sample(step, logits)
-            return self._finish_step(step, sampled)
+            emitted, logprobs = self._sample(step, logits, spec)
+            result = self._record(step, computed, emitted, k)
+        with self._phase("draft"):
+            drafts = self.spec.propose(result, hidden, req_ids) if self.spec else {}
+        out_tokens: list[list[int]] = [[] for _ in req_ids]
+        for j, i in enumerate(np.flatnonzero(step.samples).tolist()):
+            out_tokens[i] = emitted[j]
+        return ModelRunnerOutput(req_ids, out_tokens, drafts, pass_rows=self.last_pass_rows,
+                                 logprobs=logprobs)
 
     def _forward(self, step: PreparedStep) -> torch.Tensor:
         buffers, n, num_reqs = self.buffers, step.num_tokens, len(step.req_ids)
@@ -166,27 +206,43 @@ class ModelRunner:
             device=self.device,
         )
 
-    def _sample(self, step: PreparedStep, logits: torch.Tensor) -> SamplerOutput:
+    def _sample(self, step: PreparedStep, logits: torch.Tensor, spec: dict[str, list[int]]
+                ) -> tuple[list[list[int]], dict[str, tuple[list[int], list[float]]]]:
+        """Tokens emitted per sampling request (in order), and logprobs where asked."""
         rows = step.rows[step.samples]
-        return self.sampler(logits, self._sampling_metadata(rows))
-
-    def _finish_step(self, step: PreparedStep, sampled: SamplerOutput) -> ModelRunnerOutput:
-        """Record sampled tokens in the rows and build the output in scheduled order."""
-        states = self.states
+        meta = self._sampling_metadata(rows)
+        if spec and self.spec is not None:
+            sampling_ids = [step.req_ids[i] for i in np.flatnonzero(step.samples)]
+            return self.spec.verify(sampling_ids, spec, logits, meta), {}
+        sampled = self.sampler(logits, meta)
         tokens = sampled.sampled_token_ids.tolist()
-        states.num_computed[step.rows] += step.num_scheduled
-        sampling_rows = step.rows[step.samples]
-        states.token_ids[sampling_rows, states.num_tokens[sampling_rows]] = tokens
-        states.num_tokens[sampling_rows] += 1
-        out_tokens: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: dict[str, tuple[list[int], list[float]]] = {}
-        for j, i in enumerate(np.flatnonzero(step.samples).tolist()):
-            out_tokens[i] = [tokens[j]]
-            if sampled.logprobs is not None and states.num_logprobs[step.rows[i]] >= 0:
-                n = int(states.num_logprobs[step.rows[i]]) + 1
-                logprobs[step.req_ids[i]] = (
-                    sampled.logprobs.token_ids[j, :n].tolist(),
-                    sampled.logprobs.logprobs[j, :n].tolist(),
-                )
-        return ModelRunnerOutput(step.req_ids, out_tokens, {},
-                                 pass_rows={"target": step.num_tokens}, logprobs=logprobs)
+        if sampled.logprobs is not None:
+            for j, i in enumerate(np.flatnonzero(step.samples).tolist()):
+                asked = int(self.states.num_logprobs[step.rows[i]])
+                if asked >= 0:
+                    logprobs[step.req_ids[i]] = (
+                        sampled.logprobs.token_ids[j, :asked + 1].tolist(),
+                        sampled.logprobs.logprobs[j, :asked + 1].tolist())
+        return [[t] for t in tokens], logprobs
+
+    def _record(self, step: PreparedStep, computed: np.ndarray, emitted: list[list[int]],
+                k: np.ndarray) -> StepResult:
+        """Write emitted tokens into the rows; describe the step for the drafter."""
+        states = self.states
+        samples = step.samples
+        sampling_rows = step.rows[samples]
+        counts = np.array([len(t) for t in emitted], dtype=np.int64)
+        # [2, 1] tokens from rows at num_tokens [7, 4]: positions [7, 8, 4]
+        flat_rows = np.repeat(sampling_rows, counts)
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        flat_pos = states.num_tokens[sampling_rows].repeat(counts) + offsets
+        states.token_ids[flat_rows, flat_pos] = [t for tokens in emitted for t in tokens]
+        states.num_tokens[sampling_rows] += counts
+        valid = step.num_scheduled.copy()
+        valid[samples] += counts - 1 - step.num_spec[samples]  # L = n - s + accepted
+        states.num_computed[step.rows] = computed + valid
+        q_start = np.concatenate(([0], np.cumsum(step.num_scheduled)[:-1]))
+        return StepResult(rows=step.rows, computed=computed, num_scheduled=step.num_scheduled,
+                          q_start=q_start, valid=valid, samples=samples,
+                          num_drafts=np.where(samples, k, 0))

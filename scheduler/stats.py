@@ -10,6 +10,62 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class SpecDecodingStats:
+    """Verification counts in the papers' terms (vLLM's metric names, our prefix).
+
+    A "draft" is one request's verification in one step with s >= 1 drafts; its
+    acceptance length is accepted + 1 (the bonus or recovered token).
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # [i]: drafts verified / accepted at position i (0 = the first draft of a step).
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, verified: int, accepted: int) -> None:
+        if verified == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += verified
+        self.num_accepted_tokens += accepted
+        grow = verified - len(self.num_draft_tokens_per_pos)
+        if grow > 0:
+            self.num_draft_tokens_per_pos += [0] * grow
+            self.num_accepted_tokens_per_pos += [0] * grow
+        for i in range(verified):
+            self.num_draft_tokens_per_pos[i] += 1
+            self.num_accepted_tokens_per_pos[i] += i < accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return (self.num_accepted_tokens / self.num_draft_tokens
+                if self.num_draft_tokens else None)
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return (1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None)
+
+    @property
+    def acceptance_per_pos(self) -> list[float]:
+        return [a / d for a, d in zip(self.num_accepted_tokens_per_pos,
+                                      self.num_draft_tokens_per_pos, strict=True)]
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_per_pos": self.acceptance_per_pos,
+            "num_draft_tokens_per_pos": list(self.num_draft_tokens_per_pos),
+            "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+        }
+
+
+@dataclass
 class SchedulerStats:
     """Cumulative counts since start; the per-pass peaks show how tight B ran."""
 
@@ -17,9 +73,8 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_prefix_hit_tokens: int = 0
     num_scheduled_tokens: int = 0
-    num_verified_drafts: int = 0
-    num_accepted_drafts: int = 0
     peak_pass_rows: dict[str, int] = field(default_factory=dict)
+    spec: SpecDecodingStats = field(default_factory=SpecDecodingStats)
 
     def record_step(self, output: SchedulerOutput) -> None:
         self.num_steps += 1
@@ -28,5 +83,12 @@ class SchedulerStats:
             self.peak_pass_rows[name] = max(self.peak_pass_rows.get(name, 0), rows)
 
     def record_verification(self, verified: int, accepted: int) -> None:
-        self.num_verified_drafts += verified
-        self.num_accepted_drafts += accepted
+        self.spec.record(verified, accepted)
+
+    @property
+    def num_verified_drafts(self) -> int:
+        return self.spec.num_draft_tokens
+
+    @property
+    def num_accepted_drafts(self) -> int:
+        return self.spec.num_accepted_tokens

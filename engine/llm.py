@@ -1,0 +1,87 @@
+"""Offline API: `LLM(...).generate(prompts, SamplingParams)`."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from runner.models.llama import LlamaForCausalLM
+from runner.tokenizer import Tokenizer
+from scheduler import Request, SamplingParams
+from spec_decode import SpeculativeConfig
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+
+
+class LLM:
+    """Generate offline with the engine; `model=None` is the default SmolLM2 model.
+
+    `speculative_config` is a vLLM-style dict, e.g. {"method": "ngram",
+    "num_speculative_tokens": 4}; other keyword arguments are EngineConfig fields.
+    """
+
+    def __init__(self, model: str | None = None,
+                 speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+                 loaded_model: LlamaForCausalLM | None = None, **kwargs: Any) -> None:
+        spec = (speculative_config if isinstance(speculative_config, SpeculativeConfig)
+                else SpeculativeConfig.from_dict(speculative_config))
+        self.config = EngineConfig(model=model, speculative_config=spec, **kwargs)
+        self.engine = EngineCore(self.config, model=loaded_model)
+        self.tokenizer = Tokenizer.from_dir(self.engine.runner.model_path)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        params = sampling_params or SamplingParams()
+        items: list[str | list[int]] = [prompts] if isinstance(prompts, str) else list(prompts)
+        outputs: dict[str, RequestOutput] = {}
+        order = []
+        for item in items:
+            text = item if isinstance(item, str) else None
+            ids = self.tokenizer.encode(item) if isinstance(item, str) else [int(t) for t in item]
+            rid = str(next(self._ids))
+            self.engine.add_request(Request(rid, ids, params,
+                                            eos_token_id=self.tokenizer.eos_token_id))
+            outputs[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None)])
+            order.append(rid)
+        while self.engine.has_unfinished_requests():
+            for update in self.engine.step():
+                completion = outputs[update.request_id].outputs[0]
+                completion.token_ids.extend(update.new_token_ids)
+                if update.finished:
+                    completion.finish_reason = update.finish_reason
+                    outputs[update.request_id].finished = True
+        for out in outputs.values():
+            out.outputs[0].text = self.tokenizer.decode(out.outputs[0].token_ids)
+        return [outputs[rid] for rid in order]
+
+    def get_metrics(self) -> dict[str, Any]:
+        """Scheduler counters and speculative-decoding figures since start."""
+        stats = self.engine.scheduler.stats
+        return {
+            "num_steps": stats.num_steps,
+            "num_preemptions": stats.num_preemptions,
+            "num_prefix_hit_tokens": stats.num_prefix_hit_tokens,
+            "num_scheduled_tokens": stats.num_scheduled_tokens,
+            "peak_pass_rows": dict(stats.peak_pass_rows),
+            "spec_decode": stats.spec.as_dict(),
+        }

@@ -1,0 +1,165 @@
+"""Model-based drafting inside the runner's budgeted buffers.
+
+After verification, the drafter builds the method's passes (runner/draft_passes.py)
+into the runner's persistent step buffers (sized by B; the target pass is done with
+them) plus its own hidden-state buffer of B rows, runs its network over its own paged
+KV cache, and reads greedy drafts. Greedy drafting makes q one-hot at each draft, so
+the rejection sampler needs no draft probabilities and stays lossless.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from runner.attention import AttentionBackend, AttentionMetadata
+from runner.buffers import StepBuffers
+from runner.config import kv_bytes_per_block
+from runner.draft_models import DraftHead, DraftLM, KVCache, load_head_weights
+from runner.draft_passes import MASK_ROW, DraftPass, StepResult, build_passes
+from runner.model_loader import load_model
+from runner.model_prep import DEFAULT_MODEL_NAME, resolve_model
+from runner.models.llama import LlamaForCausalLM
+from runner.request_states import RequestStates
+from spec_decode import SpeculativeConfig
+
+HEAD_METHODS = ("eagle", "mtp", "parallel", "dflash")
+LM_METHODS = ("draft_model", "pard")
+
+
+def _make_net(spec: SpeculativeConfig, target: LlamaForCausalLM) -> DraftHead | DraftLM:
+    if spec.method in HEAD_METHODS:
+        head = DraftHead(target, seed=int(spec.options.get("seed", 0)))
+        if spec.model not in (None, DEFAULT_MODEL_NAME):
+            load_head_weights(head, str(spec.model))
+        return head.to(device=target.lm_head.weight.device, dtype=target.lm_head.weight.dtype)
+    if spec.model in (None, DEFAULT_MODEL_NAME):
+        return DraftLM(target)  # the default model drafts for itself: shared weights
+    weight = target.lm_head.weight
+    draft = load_model(resolve_model(spec.model), weight.dtype, weight.device)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"draft model {spec.model!r} has vocab_size "
+                         f"{draft.config.vocab_size}, the target {target.config.vocab_size}: "
+                         "a draft must share the target's tokenizer")
+    return DraftLM(draft)
+
+
+class ModelDrafter:
+    """Runs a model-based method's drafter passes and returns each request's drafts."""
+
+    def __init__(self, spec: SpeculativeConfig, target: LlamaForCausalLM,
+                 buffers: StepBuffers, states: RequestStates, block_size: int,
+                 attn: AttentionBackend, max_num_batched_tokens: int) -> None:
+        self.method = spec.method
+        self.net = _make_net(spec, target)
+        self.buffers, self.states, self.block_size, self.attn = buffers, states, block_size, attn
+        cfg = self.net.config
+        weight = target.lm_head.weight
+        # The drafter's own buffer: at most B rows, like every other.
+        self.hidden = torch.zeros(max_num_batched_tokens, cfg.hidden_size,
+                                  dtype=weight.dtype, device=weight.device)  # [B, H]
+        self.mask_id = int(spec.options.get("mask_token_id", 0))
+        self.kv_caches: list[KVCache] = []
+
+    def kv_bytes_per_block(self) -> int:
+        cfg = self.net.config
+        return kv_bytes_per_block(self.net.num_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                  self.block_size, self.hidden.dtype)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        cfg = self.net.config
+        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.hidden.dtype, device=self.hidden.device),
+                           torch.zeros(shape, dtype=self.hidden.dtype, device=self.hidden.device))
+                          for _ in range(self.net.num_layers)]
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.hidden.numel() * self.hidden.element_size()
+
+    def propose(self, res: StepResult, target_hidden: torch.Tensor) -> dict[int, list[int]]:
+        """Drafts per scheduled-request index, for every request with k >= 1."""
+        drafts: dict[int, list[int]] = {int(i): [] for i in np.flatnonzero(res.num_drafts)}
+        last_hidden: dict[int, torch.Tensor] = {}
+        for draft_pass in build_passes(self.method, res, self.states.token_ids, self.mask_id):
+            if draft_pass.num_rows == 0:
+                continue
+            out = self._run(draft_pass, res, target_hidden)
+            if len(draft_pass.readout):
+                read = out[torch.as_tensor(draft_pass.readout, device=out.device)]
+                tokens = self.net.compute_logits(read).argmax(dim=-1).tolist()
+                for req, token, h in zip(draft_pass.req_index[draft_pass.readout].tolist(),
+                                         tokens, read, strict=True):
+                    drafts[req].append(token)
+                    last_hidden[req] = h
+        if self.method in ("eagle", "mtp", "draft_model"):
+            self._sequential(res, drafts, last_hidden)
+        return drafts
+
+    def _sequential(self, res: StepResult, drafts: dict[int, list[int]],
+                    last_hidden: dict[int, torch.Tensor]) -> None:
+        """k - 1 one-row steps: each drafting request feeds its newest draft back."""
+        # eagle's row at p consumes the token at p + 1; draft_model's the token at p.
+        offset = -1 if self.method != "draft_model" else 0
+        for j in range(1, int(res.num_drafts.max(initial=0))):
+            reqs = np.flatnonzero(res.num_drafts > j)
+            positions = res.computed[reqs] + res.valid[reqs] + j + offset
+            tokens = np.array([drafts[int(r)][-1] for r in reqs], dtype=np.int64)
+            one_row = np.zeros(len(res.rows), dtype=np.int64)
+            one_row[reqs] = 1
+            starts = np.zeros(len(res.rows), dtype=np.int64)
+            starts[reqs] = positions
+            step = DraftPass(f"step_{j}", reqs, positions, tokens,
+                             np.full(len(reqs), MASK_ROW), one_row, starts,
+                             np.arange(len(reqs)))
+            hidden = torch.stack([last_hidden[int(r)] for r in reqs])
+            out = self._run(step, res, hidden, direct_hidden=True)
+            tokens_out = self.net.compute_logits(out).argmax(dim=-1).tolist()
+            for i, r in enumerate(reqs.tolist()):
+                drafts[r].append(tokens_out[i])
+                last_hidden[r] = out[i]
+
+    def _run(self, draft_pass: DraftPass, res: StepResult, hidden_in: torch.Tensor,
+             direct_hidden: bool = False) -> torch.Tensor:
+        """Write one pass into the step buffers and run the drafter over it."""
+        meta = self._write(draft_pass, res)
+        rows = draft_pass.num_rows
+        if direct_hidden:
+            self.hidden[:rows] = hidden_in
+        elif isinstance(self.net, DraftHead):
+            src = torch.as_tensor(draft_pass.hidden_src, device=self.hidden.device)
+            masked = src == MASK_ROW
+            self.hidden[:rows] = hidden_in[src.clamp(min=0)]
+            self.hidden[:rows][masked] = self.net.mask_hidden.detach()
+        ids = self.buffers.input_ids.copy_to_device(rows)
+        pos = self.buffers.positions.copy_to_device(rows)
+        return self.net(ids, self.hidden[:rows], pos, self.kv_caches, meta, self.attn)
+
+    def _write(self, draft_pass: DraftPass, res: StepResult) -> AttentionMetadata:
+        """Fill the step buffers for one pass (requests with no rows are left out)."""
+        buffers, rows = self.buffers, draft_pass.num_rows
+        active = np.flatnonzero(draft_pass.rows_per_req > 0)
+        per_req = draft_pass.rows_per_req[active]
+        state_rows = res.rows[active]
+        seq_lens = draft_pass.starts[active] + per_req
+        positions = draft_pass.positions
+        buffers.input_ids.np[:rows] = draft_pass.token_ids
+        buffers.positions.np[:rows] = positions
+        token_rows = res.rows[draft_pass.req_index]
+        blocks = self.states.block_table[token_rows, positions // self.block_size]
+        buffers.slot_mapping.np[:rows] = blocks * self.block_size + positions % self.block_size
+        num = len(active)
+        buffers.query_start_loc.np[0] = 0
+        buffers.query_start_loc.np[1:num + 1] = np.cumsum(per_req)
+        buffers.seq_lens.np[:num] = seq_lens
+        buffers.block_table.np[:num] = self.states.block_table[state_rows]
+        return AttentionMetadata(
+            num_actual_tokens=rows, num_reqs=num,
+            query_start_loc=buffers.query_start_loc.copy_to_device(num + 1),
+            seq_lens=buffers.seq_lens.copy_to_device(num),
+            block_table=buffers.block_table.copy_to_device(num),
+            slot_mapping=buffers.slot_mapping.copy_to_device(rows),
+            max_query_len=int(per_req.max()), max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=buffers.query_start_loc.np[:num + 1].tolist(),
+            seq_lens_cpu=buffers.seq_lens.np[:num].tolist(),
+        )

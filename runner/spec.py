@@ -1,0 +1,96 @@
+"""The runner's speculative-decoding side: verify this step's drafts, propose the next.
+
+Model-free methods (ngram, suffix) propose by token lookup and build no pass; model
+methods run their drafter passes through `ModelDrafter` in the runner's buffers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from runner.attention import AttentionBackend
+from runner.buffers import StepBuffers
+from runner.draft_passes import StepResult
+from runner.drafter import ModelDrafter
+from runner.models.llama import LlamaForCausalLM
+from runner.request_states import RequestStates
+from runner.sampler import SamplingMetadata
+from spec_decode import SpeculativeConfig
+from spec_decode.proposer import TokenProposer
+
+
+def make_token_proposer(spec: SpeculativeConfig) -> TokenProposer:
+    if spec.method == "ngram":
+        from spec_decode.ngram import NgramProposer
+
+        return NgramProposer.from_config(spec)
+    from spec_decode.suffix import SuffixProposer
+
+    return SuffixProposer.from_config(spec)
+
+
+class SpecDecoder:
+    """Verification (rejection sampling) and drafting for one method."""
+
+    def __init__(self, spec: SpeculativeConfig, target: LlamaForCausalLM,
+                 buffers: StepBuffers, states: RequestStates, block_size: int,
+                 attn: AttentionBackend, max_num_batched_tokens: int) -> None:
+        self.config = spec
+        self.states = states
+        self.proposer: TokenProposer | None = None
+        self.drafter: ModelDrafter | None = None
+        if spec.method in ("ngram", "suffix"):
+            self.proposer = make_token_proposer(spec)
+        else:
+            self.drafter = ModelDrafter(spec, target, buffers, states, block_size, attn,
+                                        max_num_batched_tokens)
+        from spec_decode.rejection_sampler import make_rejection_sampler
+
+        # Triton kernels on CUDA, the torch reference elsewhere.
+        self.rejection = make_rejection_sampler(target.lm_head.weight.device)
+
+    def kv_bytes_per_block(self) -> int:
+        return self.drafter.kv_bytes_per_block() if self.drafter else 0
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        if self.drafter:
+            self.drafter.initialize_kv_cache(num_blocks)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.drafter.buffer_bytes if self.drafter else 0
+
+    def add_request(self, req_id: str, token_ids: list[int]) -> None:
+        if self.proposer:
+            self.proposer.add_request(req_id, np.asarray(token_ids, dtype=np.int64))
+
+    def remove_request(self, req_id: str, finished: bool) -> None:
+        if self.proposer:
+            self.proposer.remove_request(req_id, finished)
+
+    def verify(self, sampling_ids: list[str], spec: dict[str, list[int]],
+               logits: torch.Tensor, meta: SamplingMetadata) -> list[list[int]]:
+        """Accepted drafts plus one recovered / bonus token, per sampling request.
+
+        `logits` holds each sampling request's 1 + s rows in order (input prep).
+        """
+        drafts = [spec.get(rid, []) for rid in sampling_ids]
+        flat = torch.tensor([t for d in drafts for t in d], dtype=torch.int64,
+                            device=logits.device)
+        out = self.rejection.forward(flat, [len(d) for d in drafts], None, logits, meta)
+        return [[t for t in row if t >= 0] for row in out.tolist()]
+
+    def propose(self, res: StepResult, target_hidden: torch.Tensor,
+                req_ids: list[str]) -> dict[str, list[int]]:
+        """Next drafts for every request that samples with k >= 1."""
+        drafting = np.flatnonzero(res.num_drafts)
+        if self.proposer is not None:
+            states = self.states
+            return {req_ids[i]: self.proposer.propose(
+                        req_ids[i], states.token_ids[res.rows[i], :states.num_tokens[res.rows[i]]],
+                        int(res.num_drafts[i]))[:int(res.num_drafts[i])]
+                    for i in drafting.tolist()}
+        assert self.drafter is not None
+        by_index = self.drafter.propose(res, target_hidden)
+        return {req_ids[i]: by_index[i][:int(res.num_drafts[i])] for i in drafting.tolist()}

@@ -1,0 +1,123 @@
+"""Speculative decoding end to end on the default model: lossless for every method."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from runner.model_loader import load_model
+from runner.model_prep import resolve_model
+from runner.models.llama import LlamaForCausalLM
+from scheduler import SamplingParams
+from spec_decode import METHODS
+
+GROUNDED = [
+    "Copy the list exactly: apple, banana, cherry, date, elderberry, fig, grape. "
+    "Copy: apple, banana, cherry,",
+    "def area(width, height):\n    return width * height\n\n"
+    "def area(width, height):\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30",
+]
+OPEN = [
+    "The capital of France is",
+    "Once upon a time, a curious robot",
+    "Three tips for staying healthy are",
+    "The best way to learn a new language is",
+]
+PROMPTS = (GROUNDED + OPEN) * 2
+PARAMS = SamplingParams(max_tokens=10)
+K = 3
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return load_model(resolve_model(None), torch.float32, torch.device("cpu"))
+
+
+def run(model: LlamaForCausalLM, method: str | None, prompts: list[str],
+        **kwargs: Any) -> tuple[list[list[int]], dict[str, Any]]:
+    spec = {"method": method, "num_speculative_tokens": K} if method else None
+    kwargs.setdefault("max_num_batched_tokens", 64)
+    llm = LLM(loaded_model=model, speculative_config=spec, max_model_len=256,
+              max_num_seqs=16, **kwargs)
+    outs = llm.generate(prompts, PARAMS)
+    assert llm.engine.scheduler.kv_cache_usage() == 0.0
+    return [o.outputs[0].token_ids for o in outs], llm.get_metrics()
+
+
+_baseline: dict[tuple[int, str], list[list[int]]] = {}
+
+
+def baseline(model: LlamaForCausalLM, concurrency: int) -> list[list[int]]:
+    """Speculation off, one request at a time: the reference tokens."""
+    key = (concurrency, "solo")
+    if key not in _baseline:
+        tokens = []
+        for prompt in PROMPTS[:concurrency]:
+            tokens += run(model, None, [prompt])[0]
+        _baseline[key] = tokens
+    return _baseline[key]
+
+
+@pytest.mark.parametrize("concurrency", [1, 4, 16])
+@pytest.mark.parametrize("method", [None, *METHODS])
+def test_greedy_lossless(model: LlamaForCausalLM, method: str | None,
+                         concurrency: int) -> None:
+    """B=64 forces chunked prefill (the grounded prompts are longer) and mixes decodes."""
+    tokens, metrics = run(model, method, PROMPTS[:concurrency])
+    assert tokens == baseline(model, concurrency)
+    assert all(rows <= 64 for rows in metrics["peak_pass_rows"].values())
+    if method is not None and concurrency == 16:
+        assert metrics["spec_decode"]["num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("method", [None, *METHODS])
+def test_greedy_lossless_under_preemption(model: LlamaForCausalLM, method: str | None) -> None:
+    """A KV pool far too small for 8 requests at once: preemption must occur."""
+    tokens, metrics = run(model, method, PROMPTS[:8], num_kv_blocks=10)
+    assert metrics["num_preemptions"] > 0
+    assert tokens == baseline(model, 16)[:8]
+
+
+def test_self_draft_accepts_everything(model: LlamaForCausalLM) -> None:
+    """draft_model with the target as its own draft: acceptance 1.0, length K + 1."""
+    llm = LLM(loaded_model=model, speculative_config={"method": "draft_model",
+                                                      "num_speculative_tokens": 4})
+    # 21 tokens = 1 from the prefill + four steps of 4 accepted drafts + 1 bonus.
+    llm.generate(OPEN[:2], SamplingParams(max_tokens=21, ignore_eos=True))
+    spec = llm.get_metrics()["spec_decode"]
+    assert spec["num_drafts"] == 8
+    assert spec["acceptance_rate"] == 1.0
+    assert spec["mean_acceptance_length"] == 5.0
+    assert spec["acceptance_per_pos"] == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_metrics_count_drafts_and_acceptance(model: LlamaForCausalLM) -> None:
+    _, metrics = run(model, "ngram", GROUNDED)
+    spec = metrics["spec_decode"]
+    assert sum(spec["num_draft_tokens_per_pos"]) == spec["num_draft_tokens"]
+    assert sum(spec["num_accepted_tokens_per_pos"]) == spec["num_accepted_tokens"]
+    assert 0 < spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    assert spec["acceptance_rate"] == spec["num_accepted_tokens"] / spec["num_draft_tokens"]
+    assert len(spec["acceptance_per_pos"]) == K
+    assert spec["num_draft_tokens_per_pos"][0] == spec["num_drafts"]
+    # Acceptance is a prefix: position i+1 is accepted only after position i was.
+    accepted = spec["num_accepted_tokens_per_pos"]
+    assert all(a >= b for a, b in itertools.pairwise(accepted))
+    assert 1 + spec["num_accepted_tokens"] / spec["num_drafts"] == spec["mean_acceptance_length"]
+
+
+def test_drafter_buffers_bounded_and_target_buffers_unchanged(model: LlamaForCausalLM) -> None:
+    off = LLM(loaded_model=model, max_num_batched_tokens=64, num_kv_blocks=8).engine.runner
+    for method in METHODS:
+        runner = LLM(loaded_model=model, max_num_batched_tokens=64, num_kv_blocks=8,
+                     speculative_config={"method": method, "num_speculative_tokens": 4}
+                     ).engine.runner
+        assert runner.persistent_buffer_bytes == off.persistent_buffer_bytes
+        hidden = model.config.hidden_size * 4
+        assert runner.drafter_buffer_bytes <= 64 * hidden
