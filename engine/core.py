@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from runner.model_runner import ModelRunner
@@ -18,6 +18,8 @@ class StepUpdate:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    # One (token ids, logprobs) per new token, for requests that asked for logprobs.
+    logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
 
 class EngineCore:
@@ -49,9 +51,10 @@ class EngineCore:
         output = self.scheduler.schedule()
         result = self.runner.execute(output)
         self.scheduler.update_from_output(output, result)
-        return self._collect(output.num_scheduled_tokens)
+        return self._collect(output.num_scheduled_tokens, result.logprobs)
 
-    def _collect(self, scheduled: dict[str, int]) -> list[StepUpdate]:
+    def _collect(self, scheduled: dict[str, int],
+                 logprobs: dict[str, tuple[list[int], list[float]]]) -> list[StepUpdate]:
         updates = []
         for rid in scheduled:
             entry = self._live.get(rid)
@@ -61,7 +64,8 @@ class EngineCore:
             new = request.output_token_ids[reported:]
             finished = request.is_finished()
             if new or finished:
-                updates.append(StepUpdate(rid, new, finished, request.finish_reason))
+                lps = [logprobs[rid]] if rid in logprobs and new else []
+                updates.append(StepUpdate(rid, new, finished, request.finish_reason, lps))
             if finished:
                 del self._live[rid]
             else:

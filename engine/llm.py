@@ -6,8 +6,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from tqdm import tqdm
+
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.output import OutputProcessor
 from runner.models.llama import LlamaForCausalLM
 from runner.tokenizer import Tokenizer
 from scheduler import Request, SamplingParams
@@ -46,33 +49,50 @@ class LLM:
         self.config = EngineConfig(model=model, speculative_config=spec, **kwargs)
         self.engine = EngineCore(self.config, model=loaded_model)
         self.tokenizer = Tokenizer.from_dir(self.engine.runner.model_path)
+        self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     def generate(self, prompts: str | list[str] | list[list[int]],
-                 sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
         params = sampling_params or SamplingParams()
         items: list[str | list[int]] = [prompts] if isinstance(prompts, str) else list(prompts)
         outputs: dict[str, RequestOutput] = {}
-        order = []
         for item in items:
             text = item if isinstance(item, str) else None
             ids = self.tokenizer.encode(item) if isinstance(item, str) else [int(t) for t in item]
             rid = str(next(self._ids))
             self.engine.add_request(Request(rid, ids, params,
                                             eos_token_id=self.tokenizer.eos_token_id))
+            self.processor.add(rid, len(ids), params)
             outputs[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None)])
-            order.append(rid)
-        while self.engine.has_unfinished_requests():
-            for update in self.engine.step():
-                completion = outputs[update.request_id].outputs[0]
-                completion.token_ids.extend(update.new_token_ids)
-                if update.finished:
-                    completion.finish_reason = update.finish_reason
-                    outputs[update.request_id].finished = True
-        for out in outputs.values():
-            out.outputs[0].text = self.tokenizer.decode(out.outputs[0].token_ids)
-        return [outputs[rid] for rid in order]
+        with tqdm(total=len(outputs), desc="requests", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                deltas, stopped, _ = self.processor.process(self.engine.step())
+                for rid in stopped:
+                    self.engine.abort_request(rid)
+                for delta in deltas:
+                    out = outputs[delta.request_id]
+                    completion = out.outputs[0]
+                    completion.token_ids.extend(delta.new_token_ids)
+                    completion.text += delta.delta_text
+                    if delta.finished:
+                        completion.finish_reason = delta.finish_reason
+                        out.finished = True
+                        bar.update(1)
+        return list(outputs.values())
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation ([{"role", "content"}, ...]) or a list of them, rendered
+        with the model's chat template."""
+        conversations = (messages if messages and isinstance(messages[0], list)
+                         else [messages])
+        prompts = [self.tokenizer.apply_chat_template(conv)  # type: ignore[arg-type]
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_metrics(self) -> dict[str, Any]:
         """Scheduler counters and speculative-decoding figures since start."""

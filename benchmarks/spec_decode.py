@@ -1,0 +1,128 @@
+"""Tokens per second with speculation off and with each method, on the default model.
+
+Two workloads: input-grounded (continue / copy text whose answer repeats the input,
+where lookup drafters shine) and open-ended. Concurrency 1 and 16. For each run:
+output tokens per second, the ratio against speculation off from the same run, the
+acceptance figures, and the theoretical tokens per step (1 - a^(k+1)) / (1 - a) for
+the measured per-draft acceptance a. Heads (eagle, mtp, parallel, dflash) are randomly
+initialised here, so their acceptance is near 0: their rows show the cost of drafting
+inside the budget, not a trained head's speed-up.
+
+    python benchmarks/spec_decode.py [--quick] [--methods ngram,suffix,...] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make the repo's packages importable
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from engine.llm import LLM  # noqa: E402
+from runner.model_loader import load_model  # noqa: E402
+from runner.model_prep import resolve_model  # noqa: E402
+from scheduler import SamplingParams  # noqa: E402
+from spec_decode import METHODS  # noqa: E402
+
+GROUNDED = [
+    "Rewrite this code exactly, then stop.\n\ndef mean(values):\n    total = 0\n"
+    "    for v in values:\n        total += v\n    return total / len(values)\n\n"
+    "Rewritten:\n\ndef mean(values):\n",
+    "Repeat the sentence three times: The committee will meet on Tuesday to review "
+    "the budget. The committee will meet on Tuesday to review the budget.",
+    "List: red, orange, yellow, green, blue, indigo, violet. Again: red, orange,",
+    "SELECT name, email FROM users WHERE active = 1 ORDER BY name;\n"
+    "SELECT name, email FROM users WHERE active = 1 ORDER BY",
+]
+OPEN = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain why the sky is blue.",
+    "Give three tips for a job interview.",
+    "Describe your ideal weekend.",
+]
+
+
+def theoretical_tokens_per_step(alpha: float | None, k: int) -> float | None:
+    if alpha is None:
+        return None
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def run_one(model: torch.nn.Module, method: str | None, prompts: list[str], k: int,
+            max_tokens: int) -> dict:
+    spec = {"method": method, "num_speculative_tokens": k} if method else None
+    llm = LLM(loaded_model=model, speculative_config=spec, max_num_batched_tokens=256,
+              max_num_seqs=16, max_model_len=1024)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    spec_stats = llm.get_metrics()["spec_decode"]
+    alpha = spec_stats["acceptance_rate"]
+    return {
+        "method": method or "off", "num_speculative_tokens": k if method else 0,
+        "output_tokens": tokens, "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 2),
+        "steps": llm.get_metrics()["num_steps"],
+        "acceptance_rate": alpha,
+        "mean_acceptance_length": spec_stats["mean_acceptance_length"],
+        "acceptance_per_pos": spec_stats["acceptance_per_pos"],
+        "theoretical_tokens_per_step": theoretical_tokens_per_step(alpha, k) if method else 1.0,
+        "outputs": [o.outputs[0].token_ids for o in outs],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("-k", type=int, default=4)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    out_path = args.out or ROOT / "benchmarks" / "results" / (
+        "spec_decode_quick.json" if args.quick else "spec_decode.json")
+    methods = [m for m in args.methods.split(",") if m]
+    concurrencies = (1, 4) if args.quick else (1, 16)
+    max_tokens = 8 if args.quick else 48
+    torch.manual_seed(0)
+    model = load_model(resolve_model(None), torch.float32, torch.device("cpu"))
+    rows = []
+    for workload, prompts in (("grounded", GROUNDED), ("open", OPEN)):
+        for conc in concurrencies:
+            batch = (prompts * conc)[:conc]
+            base = run_one(model, None, batch, args.k, max_tokens)
+            rows.append({"workload": workload, "concurrency": conc, **base,
+                         "speedup_vs_off": 1.0, "lossless": True})
+            for method in methods:
+                row = run_one(model, method, batch, args.k, max_tokens)
+                row.update(workload=workload, concurrency=conc,
+                           speedup_vs_off=round(row["tokens_per_s"] / base["tokens_per_s"], 3),
+                           lossless=row["outputs"] == base["outputs"])
+                rows.append(row)
+                print(f"{workload:<9}{conc:>3}  {row['method']:<12}"
+                      f"{row['tokens_per_s']:>8.1f} tok/s  x{row['speedup_vs_off']:<6}"
+                      f" accept={row['acceptance_rate']}  lossless={row['lossless']}",
+                      flush=True)
+    for row in rows:
+        del row["outputs"]
+    report = {"benchmark": "spec_decode", "device": "cpu", "dtype": "float32",
+              "num_speculative_tokens": args.k, "max_tokens": max_tokens,
+              "quick": args.quick, "results": rows}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out_path}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""AsyncEngine: the engine core on a background thread, streams to asyncio callers.
+
+The thread is a busy loop that sleeps when idle: it applies queued adds and aborts,
+runs one step, and hands each request's delta to that request's asyncio queue. A
+fault inside a step kills the engine cleanly: every request in flight gets an
+`EngineDeadError`, `is_alive` turns False (the server's /health answers 503), and new
+requests are refused at once instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.output import LatencySample, OutputProcessor, RequestDelta
+from runner.models.llama import LlamaForCausalLM
+from runner.tokenizer import Tokenizer
+from scheduler import Request, SamplingParams
+
+logger = logging.getLogger("specbudget.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after a fault; no request can be served."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestDelta | BaseException]
+
+
+StatsHook = Callable[[EngineCore, list[RequestDelta], dict[str, LatencySample]], None]
+
+
+class AsyncEngine:
+    """Thread-safe front of EngineCore for servers; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None = None,
+                 log_interval_s: float = 10.0) -> None:
+        self.core = EngineCore(config, model=model)
+        self.tokenizer = Tokenizer.from_dir(self.core.runner.model_path)
+        self.processor = OutputProcessor(self.tokenizer)
+        self.config = config
+        self.log_interval_s = log_interval_s
+        self.on_step: list[StatsHook] = []
+        self._streams: dict[str, _Stream] = {}
+        self._adds: list[tuple[Request, SamplingParams]] = []
+        self._aborts: list[str] = []
+        self._wake = threading.Condition()
+        self._stop = False
+        self.dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="specbudget-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead is None and self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestDelta]:
+        """Stream one request's deltas; leaving early (a disconnect) aborts it."""
+        if not self.is_alive:
+            raise EngineDeadError(f"engine is dead: {self.dead!r}")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        request = Request(request_id, prompt_token_ids, params,
+                          eos_token_id=self.tokenizer.eos_token_id, priority=priority)
+        with self._wake:
+            self._streams[request_id] = stream
+            self._adds.append((request, params))
+            self._wake.notify()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._wake:
+            self._streams.pop(request_id, None)
+            self._aborts.append(request_id)
+            self._wake.notify()
+
+    # ---- the engine thread ------------------------------------------------------
+
+    def _deliver(self, request_id: str, item: RequestDelta | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _apply_inputs(self) -> None:
+        with self._wake:
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = self._aborts, []
+        for request_id in aborts:
+            self.core.abort_request(request_id)
+            self.processor.drop(request_id)
+        for request, params in adds:
+            if request.request_id not in self._streams:
+                continue  # its client left before it started
+            try:
+                self.core.add_request(request)
+                self.processor.add(request.request_id, request.num_prompt_tokens, params)
+            except ValueError as err:
+                with self._wake:
+                    self._deliver(request.request_id, err)
+                    self._streams.pop(request.request_id, None)
+
+    def _run(self) -> None:
+        last_log = time.monotonic()
+        try:
+            while True:
+                with self._wake:
+                    while not (self._stop or self._adds or self._aborts
+                               or self.core.has_unfinished_requests()):
+                        self._wake.wait(timeout=1.0)  # idle: sleep until work arrives
+                    if self._stop:
+                        return
+                self._apply_inputs()
+                if self.core.has_unfinished_requests():
+                    self._step()
+                if time.monotonic() - last_log >= self.log_interval_s:
+                    self._log_line()
+                    last_log = time.monotonic()
+        except BaseException as err:
+            logger.exception("engine step failed; failing every request in flight")
+            self.dead = err
+            with self._wake:
+                streams, self._streams = self._streams, {}
+            for request_id in streams:
+                self._deliver_to(streams[request_id],
+                                 EngineDeadError(f"engine step failed: {err!r}"))
+
+    @staticmethod
+    def _deliver_to(stream: _Stream, item: BaseException) -> None:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _step(self) -> None:
+        updates = self.core.step()
+        deltas, stopped, latency = self.processor.process(updates)
+        for request_id in stopped:
+            self.core.abort_request(request_id)
+        for hook in self.on_step:
+            hook(self.core, deltas, latency)
+        with self._wake:
+            for delta in deltas:
+                self._deliver(delta.request_id, delta)
+                if delta.finished:
+                    self._streams.pop(delta.request_id, None)
+
+    def _log_line(self) -> None:
+        sched = self.core.scheduler
+        spec = sched.stats.spec
+        accept = (f", acceptance {spec.acceptance_rate:.2f}"
+                  if spec.acceptance_rate is not None else "")
+        logger.info("running %d, waiting %d, KV usage %.1f%%%s", len(sched.running),
+                    len(sched.waiting), 100 * sched.kv_cache_usage(), accept)

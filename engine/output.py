@@ -1,0 +1,93 @@
+"""From the engine core's token updates to per-request text deltas and final outputs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.core import StepUpdate
+from engine.detokenizer import IncrementalDetokenizer
+from runner.tokenizer import Tokenizer
+from scheduler import SamplingParams
+
+Logprobs = tuple[list[int], list[float]]  # sampled token first, then the top n
+
+
+@dataclass
+class RequestDelta:
+    """What one request gained in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    logprobs: list[Logprobs] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    detok: IncrementalDetokenizer
+    num_prompt_tokens: int
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+@dataclass
+class LatencySample:
+    """Per-request timings for the metrics (seconds)."""
+
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    e2e: float | None = None
+
+
+class OutputProcessor:
+    """Detokenizes, applies stop strings (asking the caller to abort those requests),
+    and measures TTFT / inter-token / end-to-end latency."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._reqs: dict[str, _Tracked] = {}
+
+    def add(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> None:
+        self._reqs[request_id] = _Tracked(IncrementalDetokenizer(self.tokenizer, params.stop),
+                                          num_prompt_tokens, time.monotonic())
+
+    def drop(self, request_id: str) -> None:
+        self._reqs.pop(request_id, None)
+
+    def process(self, updates: list[StepUpdate]
+                ) -> tuple[list[RequestDelta], list[str], dict[str, LatencySample]]:
+        """Deltas, ids stopped by a stop string (to abort), latency samples."""
+        deltas, to_abort, latency = [], [], {}
+        now = time.monotonic()
+        for update in updates:
+            tracked = self._reqs.get(update.request_id)
+            if tracked is None:
+                continue
+            sample = LatencySample()
+            if update.new_token_ids:
+                if tracked.first_token is None:
+                    tracked.first_token = now
+                    sample.ttft = now - tracked.arrival
+                elif tracked.last_token is not None:
+                    sample.itl = [(now - tracked.last_token) / len(update.new_token_ids)] * len(
+                        update.new_token_ids)
+                tracked.last_token = now
+            finished, reason = update.finished, update.finish_reason
+            if tracked.detok.push(update.new_token_ids) and not finished:
+                finished, reason = True, "stop"
+                to_abort.append(update.request_id)
+            if finished:
+                sample.e2e = now - tracked.arrival
+                del self._reqs[update.request_id]
+            latency[update.request_id] = sample
+            deltas.append(RequestDelta(
+                update.request_id, update.new_token_ids, tracked.detok.take(final=finished),
+                finished, reason, tracked.num_prompt_tokens, len(tracked.detok.token_ids),
+                update.logprobs))
+        return deltas, to_abort, latency
