@@ -54,7 +54,8 @@ class EngineCore:
         return self._collect(output.num_scheduled_tokens, result.logprobs)
 
     def _collect(self, scheduled: dict[str, int],
-                 logprobs: dict[str, tuple[list[int], list[float]]]) -> list[StepUpdate]:
+                 logprobs: dict[str, list[tuple[list[int], list[float]]]]
+                 ) -> list[StepUpdate]:
         updates = []
         for rid in scheduled:
             entry = self._live.get(rid)
@@ -64,7 +65,8 @@ class EngineCore:
             new = request.output_token_ids[reported:]
             finished = request.is_finished()
             if new or finished:
-                lps = [logprobs[rid]] if rid in logprobs and new else []
+                # A stop condition may have dropped tokens after it: keep theirs aligned.
+                lps = logprobs.get(rid, [])[:len(new)]
                 updates.append(StepUpdate(rid, new, finished, request.finish_reason, lps))
             if finished:
                 del self._live[rid]

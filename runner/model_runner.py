@@ -26,11 +26,13 @@ from runner.model_loader import load_model
 from runner.model_prep import resolve_model
 from runner.models.llama import LlamaForCausalLM
 from runner.request_states import RequestStates
-from runner.sampler import Sampler, SamplingMetadata
+from runner.sampler import Sampler, SamplingMetadata, gather_logprobs
 from runner.spec import SpecDecoder
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from spec_decode import SpeculativeConfig
+
+Logprobs = tuple[list[int], list[float]]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -207,24 +209,37 @@ class ModelRunner:
         )
 
     def _sample(self, step: PreparedStep, logits: torch.Tensor, spec: dict[str, list[int]]
-                ) -> tuple[list[list[int]], dict[str, tuple[list[int], list[float]]]]:
+                ) -> tuple[list[list[int]], dict[str, list[Logprobs]]]:
         """Tokens emitted per sampling request (in order), and logprobs where asked."""
         rows = step.rows[step.samples]
         meta = self._sampling_metadata(rows)
         if spec and self.spec is not None:
             sampling_ids = [step.req_ids[i] for i in np.flatnonzero(step.samples)]
-            return self.spec.verify(sampling_ids, spec, logits, meta), {}
-        sampled = self.sampler(logits, meta)
-        tokens = sampled.sampled_token_ids.tolist()
-        logprobs: dict[str, tuple[list[int], list[float]]] = {}
-        if sampled.logprobs is not None:
-            for j, i in enumerate(np.flatnonzero(step.samples).tolist()):
-                asked = int(self.states.num_logprobs[step.rows[i]])
-                if asked >= 0:
-                    logprobs[step.req_ids[i]] = (
-                        sampled.logprobs.token_ids[j, :asked + 1].tolist(),
-                        sampled.logprobs.logprobs[j, :asked + 1].tolist())
-        return [[t] for t in tokens], logprobs
+            emitted = self.spec.verify(sampling_ids, spec, logits, meta)
+        else:
+            emitted = [[t] for t in self.sampler(logits, meta).sampled_token_ids.tolist()]
+        return emitted, self._logprobs(step, logits, emitted)
+
+    def _logprobs(self, step: PreparedStep, logits: torch.Tensor,
+                  emitted: list[list[int]]) -> dict[str, list[Logprobs]]:
+        """Raw-logit logprobs of each emitted token (plus the top n), for requests that
+        asked. Emitted token j of a request comes from its j-th logits row."""
+        asked = self.states.num_logprobs[step.rows[step.samples]]
+        if not (asked >= 0).any():
+            return {}
+        # Each sampling request owns 1 + s logits rows, in order: [0, 3, 4] etc.
+        starts = np.concatenate(([0], np.cumsum(1 + step.num_spec[step.samples])[:-1]))
+        sampling_ids = [step.req_ids[i] for i in np.flatnonzero(step.samples)]
+        result: dict[str, list[Logprobs]] = {}
+        for j, n in enumerate(asked.tolist()):
+            if n < 0:
+                continue
+            row_ids = torch.arange(starts[j], starts[j] + len(emitted[j]), device=logits.device)
+            tokens = torch.tensor(emitted[j], device=logits.device)
+            lp = gather_logprobs(torch.log_softmax(logits[row_ids], dim=-1), tokens, n)
+            result[sampling_ids[j]] = list(zip(lp.token_ids.tolist(), lp.logprobs.tolist(),
+                                               strict=True))
+        return result
 
     def _record(self, step: PreparedStep, computed: np.ndarray, emitted: list[list[int]],
                 k: np.ndarray) -> StepResult:

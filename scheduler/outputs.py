@@ -73,6 +73,6 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Rows the runner built per forward pass, for metrics and tests.
     pass_rows: dict[str, int] = field(default_factory=dict)
-    # Per request asking for logprobs: (token ids, logprobs), the sampled token first
-    # and then the top n, for the token it sampled this step.
-    logprobs: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    # Per request asking for logprobs, one (token ids, logprobs) per emitted token: the
+    # emitted token first, then the top n (verification emits several per step).
+    logprobs: dict[str, list[tuple[list[int], list[float]]]] = field(default_factory=dict)

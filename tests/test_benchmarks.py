@@ -37,3 +37,17 @@ def test_runner_step_quick(tmp_path: Path) -> None:
     assert cases == ["decode x1", "decode x8", "decode x32", "prefill 128"]
     for row in report["results"]:
         assert row["step_ms"] > 0 and 0 < row["prepare_fraction"] < 1
+
+
+def test_spec_decode_quick(tmp_path: Path) -> None:
+    from benchmarks import spec_decode
+
+    report = spec_decode.main(["--quick", "--methods", "ngram,draft_model",
+                               "--out", str(tmp_path / "s.json")])
+    rows = report["results"]
+    assert {r["method"] for r in rows} == {"off", "ngram", "draft_model"}
+    assert all(r["lossless"] for r in rows)
+    for row in rows:
+        if row["method"] == "draft_model":  # the target drafting for itself
+            assert row["acceptance_rate"] == 1.0
+            assert row["theoretical_tokens_per_step"] == 5.0

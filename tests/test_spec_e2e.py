@@ -121,3 +121,24 @@ def test_drafter_buffers_bounded_and_target_buffers_unchanged(model: LlamaForCau
         assert runner.persistent_buffer_bytes == off.persistent_buffer_bytes
         hidden = model.config.hidden_size * 4
         assert runner.drafter_buffer_bytes <= 64 * hidden
+
+
+@pytest.mark.parametrize("method", [None, "ngram"])
+def test_logprobs_one_per_emitted_token(model: LlamaForCausalLM, method: str | None) -> None:
+    """Verification emits several tokens per step: each gets its own logprobs entry,
+    the emitted token first, then the top 2 from the raw logits."""
+    spec = {"method": method, "num_speculative_tokens": K} if method else None
+    llm = LLM(loaded_model=model, speculative_config=spec)
+    ids = llm.tokenizer.encode(GROUNDED[2])
+    from scheduler import Request
+
+    llm.engine.add_request(Request("r", ids, SamplingParams(max_tokens=12, logprobs=2)))
+    multi = False
+    while llm.engine.has_unfinished_requests():
+        for update in llm.engine.step():
+            assert len(update.logprobs) == len(update.new_token_ids)
+            multi |= len(update.new_token_ids) > 1
+            for token, (top_ids, lps) in zip(update.new_token_ids, update.logprobs, strict=True):
+                assert top_ids[0] == token and len(top_ids) == 3
+                assert lps[1] >= lps[2] and lps[0] <= lps[1] + 1e-6
+    assert multi == (method is not None)
