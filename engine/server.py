@@ -1,0 +1,489 @@
+"""OpenAI-compatible HTTP server over `AsyncEngine`.
+
+`build_app(engine, served_model_name)` gives a FastAPI app with /v1/completions,
+/v1/chat/completions (SSE streaming or not), /v1/models, /health and /metrics. Every
+request is validated by `engine.protocol` before it reaches the engine; each of its
+`n` choices is one engine request (`<id>-<i>`, seeded `seed + i`).
+
+Lifetimes: the engine requests of an API request are closed (hence aborted in the
+engine) whenever the response ends early, whichever way: a streaming client that
+disconnects, a non-streaming client that disconnects while waiting, a server shutdown.
+Engine faults: requests in flight get 500 (or, streamed, an error event then
+`[DONE]`); afterwards /health and every new generation request answer 503 at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine import protocol as P
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.output import Logprobs, RequestDelta
+from scheduler import SamplingParams
+
+logger = logging.getLogger("specbudget.server")
+T = TypeVar("T")
+
+
+@dataclass
+class _Job:
+    """One validated API request, ready for the engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: list[SamplingParams]  # one per choice
+    priority: int
+    stream: bool
+    include_usage: bool
+
+
+@dataclass
+class _ChoiceState:
+    """What one choice has produced so far."""
+
+    text: str = ""
+    logprobs: list[Logprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    text_offset: int = 0  # completions logprobs: characters of tokens reported so far
+
+
+class _Choices:
+    """The n engine requests of one API request, merged into one stream of deltas.
+
+    Each choice is pumped by its own task into one queue; `close()` cancels the
+    tasks, which closes each `AsyncEngine.generate` generator, which aborts its
+    engine request if it has not finished.
+    """
+
+    def __init__(self, engine: AsyncEngine, job: _Job) -> None:
+        self._queue: asyncio.Queue[tuple[int, RequestDelta | Exception]] = asyncio.Queue()
+        self._pending = len(job.params)
+        self._tasks = [
+            asyncio.create_task(self._pump(i, engine.generate(
+                f"{job.request_id}-{i}", job.prompt_token_ids, params, job.priority)))
+            for i, params in enumerate(job.params)
+        ]
+
+    async def _pump(self, index: int, gen: AsyncIterator[RequestDelta]) -> None:
+        try:
+            async for delta in gen:
+                self._queue.put_nowait((index, delta))
+        except Exception as err:  # engine refusal (ValueError) or EngineDeadError
+            self._queue.put_nowait((index, err))
+
+    async def next(self) -> tuple[int, RequestDelta] | None:
+        """The next delta of any choice; None once all finished; raises their error."""
+        if self._pending == 0:
+            return None
+        index, item = await self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        if item.finished:
+            self._pending -= 1
+        return index, item
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()  # a no-op for a finished task
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, but give up (raising _ClientGone) if the client disconnects."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        raise _ClientGone()
+    return task.result()
+
+
+class _EventStream(StreamingResponse):
+    """SSE response that runs `on_close` however the stream ends (disconnect included)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            aclose = getattr(self._events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _engine_error(err: Exception) -> P.APIError:
+    """An engine-side failure as the error the client sees."""
+    if isinstance(err, EngineDeadError):
+        return P.APIError(f"The engine failed and cannot serve requests: {err}", status=500,
+                          code="engine_dead", type="server_error")
+    if isinstance(err, ValueError):  # refused at admission, e.g. more KV than the pool
+        return P.APIError(str(err), code="kv_cache_too_small")
+    return P.APIError(f"Internal error: {err!r}", status=500, code=None, type="server_error")
+
+
+def _error_response(err: P.APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+class _Format:
+    """How one endpoint writes choices, chunks and the final response."""
+
+    def __init__(self, server: _OpenAIServer, job: _Job, num_logprobs: int | None) -> None:
+        self.server = server
+        self.job = job
+        self.num_logprobs = num_logprobs  # None: no logprobs asked
+        self.model = server.model_name
+
+    def token_text(self, token_id: int) -> str:
+        return self.server.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def usage(self, states: list[_ChoiceState]) -> P.UsageInfo:
+        prompt = len(self.job.prompt_token_ids)
+        completion = sum(s.num_output_tokens for s in states)
+        return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                           total_tokens=prompt + completion)
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, index: int, delta: RequestDelta, state: _ChoiceState) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: P.UsageInfo) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def response(self, states: list[_ChoiceState]) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class _CompletionFormat(_Format):
+    def logprobs(self, entries: list[Logprobs], state: _ChoiceState
+                 ) -> P.CompletionLogprobs | None:
+        if self.num_logprobs is None:
+            return None
+        out = P.CompletionLogprobs()
+        for token_ids, lps in entries:
+            token = self.token_text(token_ids[0])
+            out.tokens.append(token)
+            out.token_logprobs.append(lps[0])
+            out.top_logprobs.append({self.token_text(t): lp
+                                     for t, lp in zip(token_ids[1:], lps[1:], strict=True)})
+            out.text_offset.append(state.text_offset)
+            state.text_offset += len(token)
+        return out
+
+    def chunk(self, index: int, delta: RequestDelta, state: _ChoiceState) -> dict[str, Any]:
+        choice = P.CompletionChoice(index=index, text=delta.delta_text,
+                                    logprobs=self.logprobs(delta.logprobs, state),
+                                    finish_reason=delta.finish_reason if delta.finished else None)
+        return P.CompletionResponse(id=self.job.request_id, model=self.model,
+                                    choices=[choice]).model_dump()
+
+    def usage_chunk(self, usage: P.UsageInfo) -> dict[str, Any]:
+        return P.CompletionResponse(id=self.job.request_id, model=self.model, choices=[],
+                                    usage=usage).model_dump()
+
+    def response(self, states: list[_ChoiceState]) -> dict[str, Any]:
+        choices = []
+        for i, state in enumerate(states):
+            state.text_offset = 0
+            choices.append(P.CompletionChoice(index=i, text=state.text,
+                                              logprobs=self.logprobs(state.logprobs, state),
+                                              finish_reason=state.finish_reason))
+        return P.CompletionResponse(id=self.job.request_id, model=self.model, choices=choices,
+                                    usage=self.usage(states)).model_dump()
+
+
+class _ChatFormat(_Format):
+    def logprobs(self, entries: list[Logprobs]) -> P.ChatLogprobs | None:
+        if self.num_logprobs is None:
+            return None
+        content = []
+        for token_ids, lps in entries:
+            top = [self._top(t, lp) for t, lp in zip(token_ids[1:], lps[1:], strict=True)]
+            first = self._top(token_ids[0], lps[0])
+            content.append(P.ChatTokenLogprob(**first.model_dump(), top_logprobs=top))
+        return P.ChatLogprobs(content=content)
+
+    def _top(self, token_id: int, logprob: float) -> P.TopLogprob:
+        text = self.token_text(token_id)
+        return P.TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    def _chunk(self, choices: list[P.ChatChunkChoice], usage: P.UsageInfo | None = None
+               ) -> dict[str, Any]:
+        return P.ChatCompletionChunk(id=self.job.request_id, model=self.model,
+                                     choices=choices, usage=usage).model_dump()
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        return [self._chunk([P.ChatChunkChoice(
+            index=i, delta=P.DeltaMessage(role="assistant", content=""))])
+            for i in range(len(self.job.params))]
+
+    def chunk(self, index: int, delta: RequestDelta, state: _ChoiceState) -> dict[str, Any]:
+        return self._chunk([P.ChatChunkChoice(
+            index=index, delta=P.DeltaMessage(content=delta.delta_text),
+            logprobs=self.logprobs(delta.logprobs),
+            finish_reason=delta.finish_reason if delta.finished else None)])
+
+    def usage_chunk(self, usage: P.UsageInfo) -> dict[str, Any]:
+        return self._chunk([], usage)
+
+    def response(self, states: list[_ChoiceState]) -> dict[str, Any]:
+        choices = [P.ChatChoice(index=i, message=P.ChatMessage(content=s.text),
+                                logprobs=self.logprobs(s.logprobs), finish_reason=s.finish_reason)
+                   for i, s in enumerate(states)]
+        return P.ChatCompletionResponse(id=self.job.request_id, model=self.model,
+                                        choices=choices, usage=self.usage(states)).model_dump()
+
+
+def _apply(state: _ChoiceState, delta: RequestDelta) -> None:
+    state.text += delta.delta_text
+    state.logprobs.extend(delta.logprobs)
+    state.num_output_tokens = delta.num_output_tokens
+    if delta.finished:
+        state.finish_reason = delta.finish_reason
+
+
+class _OpenAIServer:
+    """Turns validated requests into engine requests and engine deltas into responses."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.limits = P.ServingLimits(model_name, engine.config.max_model_len,
+                                      engine.tokenizer.vocab_size)
+
+    # ---- requests -> jobs ---------------------------------------------------------
+
+    def _job(self, prefix: str, req: P.CompletionRequest | P.ChatCompletionRequest,
+             prompt_ids: list[int], max_tokens: int, logprobs: int | None) -> _Job:
+        stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        params = [SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(0, req.top_k or 0),
+            min_p=req.min_p or 0.0,
+            seed=None if req.seed is None else _wrap_int64(req.seed + i),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos, logprobs=logprobs, stop=stops,
+        ) for i in range(req.n)]
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _Job(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, req.priority,
+                    req.stream, include_usage)
+
+    def completion_job(self, raw: bytes) -> tuple[_Job, _Format]:
+        req = P.parse_body(raw, P.CompletionRequest)
+        P.check_model(req, self.limits)
+        P.check_sampling(req, self.limits)
+        P.check_completion_extras(req)
+        prompt = P.prompt_input(req.prompt, self.limits)
+        ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if not ids:
+            raise P.APIError("prompt encodes to no tokens", param="prompt")
+        max_tokens = P.effective_max_tokens(req.max_tokens, P.DEFAULT_COMPLETION_MAX_TOKENS,
+                                            len(ids), self.limits, "prompt")
+        job = self._job("cmpl", req, ids, max_tokens, req.logprobs)
+        return job, _CompletionFormat(self, job, req.logprobs)
+
+    def chat_job(self, raw: bytes) -> tuple[_Job, _Format]:
+        req = P.parse_body(raw, P.ChatCompletionRequest)
+        P.check_model(req, self.limits)
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        P.check_sampling(req, self.limits, param)
+        P.check_chat_extras(req)
+        messages = P.chat_messages(req.messages)
+        try:
+            text = self.engine.tokenizer.apply_chat_template(messages)
+        except Exception as err:  # the template's raise_exception, e.g. bad role order
+            raise P.APIError(f"messages: the chat template refused them: {err}",
+                             param="messages") from None
+        ids = self.engine.tokenizer.encode(text)
+        requested = req.max_completion_tokens or req.max_tokens
+        max_tokens = P.effective_max_tokens(requested, None, len(ids), self.limits, "messages")
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        job = self._job("chatcmpl", req, ids, max_tokens, num_logprobs)
+        return job, _ChatFormat(self, job, num_logprobs)
+
+    # ---- serving ------------------------------------------------------------------
+
+    async def serve(self, request: Request,
+                    make_job: Callable[[bytes], tuple[_Job, _Format]]) -> Response:
+        if not self.engine.is_alive:
+            return _error_response(P.APIError(
+                "The engine is not running (it stopped after a fault)", status=503,
+                code="engine_dead", type="server_error"))
+        job, fmt = make_job(await request.body())
+        choices = _Choices(self.engine, job)
+        handed_over = False
+        try:
+            # The first delta (or the engine's refusal) decides the status code, so a
+            # request the KV cache can never hold is a 400 even when streamed.
+            first = await _until_disconnected(request, choices.next())
+            if job.stream:
+                handed_over = True
+                return _EventStream(self._events(job, fmt, choices, first), choices.close)
+            body = await _until_disconnected(request, self._collect(job, fmt, choices, first))
+            return JSONResponse(body)
+        except (ValueError, EngineDeadError) as err:
+            return _error_response(_engine_error(err))
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            if not handed_over:
+                choices.close()
+
+    async def _collect(self, job: _Job, fmt: _Format, choices: _Choices,
+                       item: tuple[int, RequestDelta] | None) -> dict[str, Any]:
+        states = [_ChoiceState() for _ in job.params]
+        while item is not None:
+            _apply(states[item[0]], item[1])
+            item = await choices.next()
+        return fmt.response(states)
+
+    async def _events(self, job: _Job, fmt: _Format, choices: _Choices,
+                      item: tuple[int, RequestDelta] | None) -> AsyncIterator[str]:
+        states = [_ChoiceState() for _ in job.params]
+        try:
+            for chunk in fmt.start_chunks():
+                yield _sse(chunk)
+            while item is not None:
+                index, delta = item
+                _apply(states[index], delta)
+                if delta.delta_text or delta.finished or delta.logprobs:
+                    yield _sse(fmt.chunk(index, delta, states[index]))
+                item = await choices.next()
+            if job.include_usage:
+                yield _sse(fmt.usage_chunk(fmt.usage(states)))
+        except Exception as err:
+            logger.warning("stream %s failed: %r", job.request_id, err)
+            yield _sse(_engine_error(err).body())
+        yield "data: [DONE]\n\n"
+
+
+def _wrap_int64(value: int) -> int:
+    """seed + i stays a 64-bit signed integer (wraps around at the top)."""
+    return (value - P.INT64[0]) % (1 << 64) + P.INT64[0]
+
+
+def wire_engine_metrics(engine: AsyncEngine, registry: CollectorRegistry,
+                        model_name: str) -> Callable[[], None]:
+    """Export the engine's `specbudget:*` metrics on `registry`; returns the undo."""
+    from engine.metrics import EngineMetrics
+
+    metrics = EngineMetrics(registry, model_name)
+    engine.on_step.append(metrics.on_step)
+
+    def unwire() -> None:
+        if metrics.on_step in engine.on_step:
+            engine.on_step.remove(metrics.on_step)
+        metrics.unregister()
+
+    return unwire
+
+
+def build_app(engine: AsyncEngine, served_model_name: str,
+              registry: CollectorRegistry | None = None) -> FastAPI:
+    """The OpenAI-compatible app over `engine`; see the module docstring."""
+    registry = registry if registry is not None else CollectorRegistry()
+    server = _OpenAIServer(engine, served_model_name)
+    unwire = wire_engine_metrics(engine, registry, served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            unwire()  # the engine may outlive this app (tests serve it again)
+
+    app = FastAPI(title="specbudget", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.registry = registry
+    _add_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.serve(request, server.completion_job)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.serve(request, server.chat_job)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = P.ModelCard(id=served_model_name, max_model_len=engine.config.max_model_len)
+        return P.ModelList(data=[card]).model_dump()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_alive:
+            return Response(status_code=200)
+        return _error_response(P.APIError("The engine is not running", status=503,
+                                          code="engine_dead", type="server_error"))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error, routing ones included, as an OpenAI error object."""
+
+    @app.exception_handler(P.APIError)
+    async def api_error(_: Request, err: P.APIError) -> JSONResponse:
+        return _error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        what = {404: "Not found", 405: "Method not allowed"}.get(err.status_code, err.detail)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+        message = f"{what}: {request.method} {request.url.path}"
+        response = _error_response(P.APIError(message, status=err.status_code, code=code))
+        response.headers.update(err.headers or {})  # 405 carries Allow
+        return response
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, err: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return _error_response(P.APIError(f"Internal error: {err!r}", status=500, code=None,
+                                          type="server_error"))
