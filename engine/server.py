@@ -20,7 +20,6 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -32,34 +31,21 @@ from starlette.types import Receive, Scope, Send
 
 from engine import protocol as P
 from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.output import Logprobs, RequestDelta
+from engine.formats import (
+    ChatFormat,
+    ChoiceState,
+    CompletionFormat,
+    Format,
+    Job,
+    ModelCard,
+    ModelList,
+    apply_delta,
+)
+from engine.output import RequestDelta
 from scheduler import SamplingParams
 
 logger = logging.getLogger("specbudget.server")
 T = TypeVar("T")
-
-
-@dataclass
-class _Job:
-    """One validated API request, ready for the engine."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: list[SamplingParams]  # one per choice
-    priority: int
-    stream: bool
-    include_usage: bool
-
-
-@dataclass
-class _ChoiceState:
-    """What one choice has produced so far."""
-
-    text: str = ""
-    logprobs: list[Logprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_output_tokens: int = 0
-    text_offset: int = 0  # completions logprobs: characters of tokens reported so far
 
 
 class _Choices:
@@ -70,7 +56,7 @@ class _Choices:
     engine request if it has not finished.
     """
 
-    def __init__(self, engine: AsyncEngine, job: _Job) -> None:
+    def __init__(self, engine: AsyncEngine, job: Job) -> None:
         self._queue: asyncio.Queue[tuple[int, RequestDelta | Exception]] = asyncio.Queue()
         self._pending = len(job.params)
         self._tasks = [
@@ -163,125 +149,6 @@ def _error_response(err: P.APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
-class _Format:
-    """How one endpoint writes choices, chunks and the final response."""
-
-    def __init__(self, server: _OpenAIServer, job: _Job, num_logprobs: int | None) -> None:
-        self.server = server
-        self.job = job
-        self.num_logprobs = num_logprobs  # None: no logprobs asked
-        self.model = server.model_name
-
-    def token_text(self, token_id: int) -> str:
-        return self.server.engine.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def usage(self, states: list[_ChoiceState]) -> P.UsageInfo:
-        prompt = len(self.job.prompt_token_ids)
-        completion = sum(s.num_output_tokens for s in states)
-        return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                           total_tokens=prompt + completion)
-
-    def start_chunks(self) -> list[dict[str, Any]]:
-        return []
-
-    def chunk(self, index: int, delta: RequestDelta, state: _ChoiceState) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def usage_chunk(self, usage: P.UsageInfo) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def response(self, states: list[_ChoiceState]) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-class _CompletionFormat(_Format):
-    def logprobs(self, entries: list[Logprobs], state: _ChoiceState
-                 ) -> P.CompletionLogprobs | None:
-        if self.num_logprobs is None:
-            return None
-        out = P.CompletionLogprobs()
-        for token_ids, lps in entries:
-            token = self.token_text(token_ids[0])
-            out.tokens.append(token)
-            out.token_logprobs.append(lps[0])
-            out.top_logprobs.append({self.token_text(t): lp
-                                     for t, lp in zip(token_ids[1:], lps[1:], strict=True)})
-            out.text_offset.append(state.text_offset)
-            state.text_offset += len(token)
-        return out
-
-    def chunk(self, index: int, delta: RequestDelta, state: _ChoiceState) -> dict[str, Any]:
-        choice = P.CompletionChoice(index=index, text=delta.delta_text,
-                                    logprobs=self.logprobs(delta.logprobs, state),
-                                    finish_reason=delta.finish_reason if delta.finished else None)
-        return P.CompletionResponse(id=self.job.request_id, model=self.model,
-                                    choices=[choice]).model_dump()
-
-    def usage_chunk(self, usage: P.UsageInfo) -> dict[str, Any]:
-        return P.CompletionResponse(id=self.job.request_id, model=self.model, choices=[],
-                                    usage=usage).model_dump()
-
-    def response(self, states: list[_ChoiceState]) -> dict[str, Any]:
-        choices = []
-        for i, state in enumerate(states):
-            state.text_offset = 0
-            choices.append(P.CompletionChoice(index=i, text=state.text,
-                                              logprobs=self.logprobs(state.logprobs, state),
-                                              finish_reason=state.finish_reason))
-        return P.CompletionResponse(id=self.job.request_id, model=self.model, choices=choices,
-                                    usage=self.usage(states)).model_dump()
-
-
-class _ChatFormat(_Format):
-    def logprobs(self, entries: list[Logprobs]) -> P.ChatLogprobs | None:
-        if self.num_logprobs is None:
-            return None
-        content = []
-        for token_ids, lps in entries:
-            top = [self._top(t, lp) for t, lp in zip(token_ids[1:], lps[1:], strict=True)]
-            first = self._top(token_ids[0], lps[0])
-            content.append(P.ChatTokenLogprob(**first.model_dump(), top_logprobs=top))
-        return P.ChatLogprobs(content=content)
-
-    def _top(self, token_id: int, logprob: float) -> P.TopLogprob:
-        text = self.token_text(token_id)
-        return P.TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
-
-    def _chunk(self, choices: list[P.ChatChunkChoice], usage: P.UsageInfo | None = None
-               ) -> dict[str, Any]:
-        return P.ChatCompletionChunk(id=self.job.request_id, model=self.model,
-                                     choices=choices, usage=usage).model_dump()
-
-    def start_chunks(self) -> list[dict[str, Any]]:
-        return [self._chunk([P.ChatChunkChoice(
-            index=i, delta=P.DeltaMessage(role="assistant", content=""))])
-            for i in range(len(self.job.params))]
-
-    def chunk(self, index: int, delta: RequestDelta, state: _ChoiceState) -> dict[str, Any]:
-        return self._chunk([P.ChatChunkChoice(
-            index=index, delta=P.DeltaMessage(content=delta.delta_text),
-            logprobs=self.logprobs(delta.logprobs),
-            finish_reason=delta.finish_reason if delta.finished else None)])
-
-    def usage_chunk(self, usage: P.UsageInfo) -> dict[str, Any]:
-        return self._chunk([], usage)
-
-    def response(self, states: list[_ChoiceState]) -> dict[str, Any]:
-        choices = [P.ChatChoice(index=i, message=P.ChatMessage(content=s.text),
-                                logprobs=self.logprobs(s.logprobs), finish_reason=s.finish_reason)
-                   for i, s in enumerate(states)]
-        return P.ChatCompletionResponse(id=self.job.request_id, model=self.model,
-                                        choices=choices, usage=self.usage(states)).model_dump()
-
-
-def _apply(state: _ChoiceState, delta: RequestDelta) -> None:
-    state.text += delta.delta_text
-    state.logprobs.extend(delta.logprobs)
-    state.num_output_tokens = delta.num_output_tokens
-    if delta.finished:
-        state.finish_reason = delta.finish_reason
-
-
 class _OpenAIServer:
     """Turns validated requests into engine requests and engine deltas into responses."""
 
@@ -294,7 +161,7 @@ class _OpenAIServer:
     # ---- requests -> jobs ---------------------------------------------------------
 
     def _job(self, prefix: str, req: P.CompletionRequest | P.ChatCompletionRequest,
-             prompt_ids: list[int], max_tokens: int, logprobs: int | None) -> _Job:
+             prompt_ids: list[int], max_tokens: int, logprobs: int | None) -> Job:
         stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         params = [SamplingParams(
             max_tokens=max_tokens,
@@ -307,10 +174,10 @@ class _OpenAIServer:
             ignore_eos=req.ignore_eos, logprobs=logprobs, stop=stops,
         ) for i in range(req.n)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _Job(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, req.priority,
+        return Job(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, req.priority,
                     req.stream, include_usage)
 
-    def completion_job(self, raw: bytes) -> tuple[_Job, _Format]:
+    def completion_job(self, raw: bytes) -> tuple[Job, Format]:
         req = P.parse_body(raw, P.CompletionRequest)
         P.check_model(req, self.limits)
         P.check_sampling(req, self.limits)
@@ -322,9 +189,9 @@ class _OpenAIServer:
         max_tokens = P.effective_max_tokens(req.max_tokens, P.DEFAULT_COMPLETION_MAX_TOKENS,
                                             len(ids), self.limits, "prompt")
         job = self._job("cmpl", req, ids, max_tokens, req.logprobs)
-        return job, _CompletionFormat(self, job, req.logprobs)
+        return job, CompletionFormat(self, job, req.logprobs)
 
-    def chat_job(self, raw: bytes) -> tuple[_Job, _Format]:
+    def chat_job(self, raw: bytes) -> tuple[Job, Format]:
         req = P.parse_body(raw, P.ChatCompletionRequest)
         P.check_model(req, self.limits)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -341,12 +208,12 @@ class _OpenAIServer:
         max_tokens = P.effective_max_tokens(requested, None, len(ids), self.limits, "messages")
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         job = self._job("chatcmpl", req, ids, max_tokens, num_logprobs)
-        return job, _ChatFormat(self, job, num_logprobs)
+        return job, ChatFormat(self, job, num_logprobs)
 
     # ---- serving ------------------------------------------------------------------
 
     async def serve(self, request: Request,
-                    make_job: Callable[[bytes], tuple[_Job, _Format]]) -> Response:
+                    make_job: Callable[[bytes], tuple[Job, Format]]) -> Response:
         if not self.engine.is_alive:
             return _error_response(P.APIError(
                 "The engine is not running (it stopped after a fault)", status=503,
@@ -371,23 +238,23 @@ class _OpenAIServer:
             if not handed_over:
                 choices.close()
 
-    async def _collect(self, job: _Job, fmt: _Format, choices: _Choices,
+    async def _collect(self, job: Job, fmt: Format, choices: _Choices,
                        item: tuple[int, RequestDelta] | None) -> dict[str, Any]:
-        states = [_ChoiceState() for _ in job.params]
+        states = [ChoiceState() for _ in job.params]
         while item is not None:
-            _apply(states[item[0]], item[1])
+            apply_delta(states[item[0]], item[1])
             item = await choices.next()
         return fmt.response(states)
 
-    async def _events(self, job: _Job, fmt: _Format, choices: _Choices,
+    async def _events(self, job: Job, fmt: Format, choices: _Choices,
                       item: tuple[int, RequestDelta] | None) -> AsyncIterator[str]:
-        states = [_ChoiceState() for _ in job.params]
+        states = [ChoiceState() for _ in job.params]
         try:
             for chunk in fmt.start_chunks():
                 yield _sse(chunk)
             while item is not None:
                 index, delta = item
-                _apply(states[index], delta)
+                apply_delta(states[index], delta)
                 if delta.delta_text or delta.finished or delta.logprobs:
                     yield _sse(fmt.chunk(index, delta, states[index]))
                 item = await choices.next()
@@ -449,8 +316,8 @@ def build_app(engine: AsyncEngine, served_model_name: str,
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = P.ModelCard(id=served_model_name, max_model_len=engine.config.max_model_len)
-        return P.ModelList(data=[card]).model_dump()
+        card = ModelCard(id=served_model_name, max_model_len=engine.config.max_model_len)
+        return ModelList(data=[card]).model_dump()
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,0 +1,258 @@
+"""OpenAI response bodies and how each endpoint writes them (chunks and final)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from engine.output import Logprobs, RequestDelta
+from scheduler import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.server import _OpenAIServer
+
+
+@dataclass
+class Job:
+    """One validated API request, ready for the engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: list[SamplingParams]  # one per choice
+    priority: int
+    stream: bool
+    include_usage: bool
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    text: str = ""
+    logprobs: list[Logprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    text_offset: int = 0  # completions logprobs: characters of tokens reported so far
+
+
+# ---- responses --------------------------------------------------------------------
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Non-streamed, and (with `usage` None until the end) each streamed chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "specbudget"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Format:
+    """How one endpoint writes choices, chunks and the final response."""
+
+    def __init__(self, server: _OpenAIServer, job: Job, num_logprobs: int | None) -> None:
+        self.server = server
+        self.job = job
+        self.num_logprobs = num_logprobs  # None: no logprobs asked
+        self.model = server.model_name
+
+    def token_text(self, token_id: int) -> str:
+        return self.server.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def usage(self, states: list[ChoiceState]) -> UsageInfo:
+        prompt = len(self.job.prompt_token_ids)
+        completion = sum(s.num_output_tokens for s in states)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                           total_tokens=prompt + completion)
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, index: int, delta: RequestDelta, state: ChoiceState) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: UsageInfo) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def response(self, states: list[ChoiceState]) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionFormat(Format):
+    def logprobs(self, entries: list[Logprobs], state: ChoiceState
+                 ) -> CompletionLogprobs | None:
+        if self.num_logprobs is None:
+            return None
+        out = CompletionLogprobs()
+        for token_ids, lps in entries:
+            token = self.token_text(token_ids[0])
+            out.tokens.append(token)
+            out.token_logprobs.append(lps[0])
+            out.top_logprobs.append({self.token_text(t): lp
+                                     for t, lp in zip(token_ids[1:], lps[1:], strict=True)})
+            out.text_offset.append(state.text_offset)
+            state.text_offset += len(token)
+        return out
+
+    def chunk(self, index: int, delta: RequestDelta, state: ChoiceState) -> dict[str, Any]:
+        choice = CompletionChoice(index=index, text=delta.delta_text,
+                                    logprobs=self.logprobs(delta.logprobs, state),
+                                    finish_reason=delta.finish_reason if delta.finished else None)
+        return CompletionResponse(id=self.job.request_id, model=self.model,
+                                    choices=[choice]).model_dump()
+
+    def usage_chunk(self, usage: UsageInfo) -> dict[str, Any]:
+        return CompletionResponse(id=self.job.request_id, model=self.model, choices=[],
+                                    usage=usage).model_dump()
+
+    def response(self, states: list[ChoiceState]) -> dict[str, Any]:
+        choices = []
+        for i, state in enumerate(states):
+            state.text_offset = 0
+            choices.append(CompletionChoice(index=i, text=state.text,
+                                              logprobs=self.logprobs(state.logprobs, state),
+                                              finish_reason=state.finish_reason))
+        return CompletionResponse(id=self.job.request_id, model=self.model, choices=choices,
+                                    usage=self.usage(states)).model_dump()
+
+
+class ChatFormat(Format):
+    def logprobs(self, entries: list[Logprobs]) -> ChatLogprobs | None:
+        if self.num_logprobs is None:
+            return None
+        content = []
+        for token_ids, lps in entries:
+            top = [self._top(t, lp) for t, lp in zip(token_ids[1:], lps[1:], strict=True)]
+            first = self._top(token_ids[0], lps[0])
+            content.append(ChatTokenLogprob(**first.model_dump(), top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        text = self.token_text(token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None
+               ) -> dict[str, Any]:
+        return ChatCompletionChunk(id=self.job.request_id, model=self.model,
+                                     choices=choices, usage=usage).model_dump()
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        return [self._chunk([ChatChunkChoice(
+            index=i, delta=DeltaMessage(role="assistant", content=""))])
+            for i in range(len(self.job.params))]
+
+    def chunk(self, index: int, delta: RequestDelta, state: ChoiceState) -> dict[str, Any]:
+        return self._chunk([ChatChunkChoice(
+            index=index, delta=DeltaMessage(content=delta.delta_text),
+            logprobs=self.logprobs(delta.logprobs),
+            finish_reason=delta.finish_reason if delta.finished else None)])
+
+    def usage_chunk(self, usage: UsageInfo) -> dict[str, Any]:
+        return self._chunk([], usage)
+
+    def response(self, states: list[ChoiceState]) -> dict[str, Any]:
+        choices = [ChatChoice(index=i, message=ChatMessage(content=s.text),
+                                logprobs=self.logprobs(s.logprobs), finish_reason=s.finish_reason)
+                   for i, s in enumerate(states)]
+        return ChatCompletionResponse(id=self.job.request_id, model=self.model,
+                                        choices=choices, usage=self.usage(states)).model_dump()
+
+
+def apply_delta(state: ChoiceState, delta: RequestDelta) -> None:
+    state.text += delta.delta_text
+    state.logprobs.extend(delta.logprobs)
+    state.num_output_tokens = delta.num_output_tokens
+    if delta.finished:
+        state.finish_reason = delta.finish_reason
