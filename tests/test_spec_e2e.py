@@ -142,3 +142,51 @@ def test_logprobs_one_per_emitted_token(model: LlamaForCausalLM, method: str | N
                 assert top_ids[0] == token and len(top_ids) == 3
                 assert lps[1] >= lps[2] and lps[0] <= lps[1] + 1e-6
     assert multi == (method is not None)
+
+
+def test_head_weights_load_from_safetensors(model: LlamaForCausalLM, tmp_path: Any) -> None:
+    """A trained head is a safetensors file named by the speculative config's model."""
+    from safetensors.torch import save_file
+
+    from runner.draft_models import DraftHead
+
+    head = DraftHead(model, seed=7)
+    path = tmp_path / "head.safetensors"
+    save_file({name: p.detach().contiguous() for name, p in head.named_parameters()},
+              str(path))
+    llm = LLM(loaded_model=model, num_kv_blocks=8, speculative_config={
+        "method": "eagle", "num_speculative_tokens": 2, "model": str(path)})
+    loaded = llm.engine.runner.spec.drafter.net  # type: ignore[union-attr]
+    for (name, want), (_, got) in zip(head.named_parameters(), loaded.named_parameters(),
+                                      strict=True):
+        assert torch.equal(want, got), name
+    save_file({"fc.weight": torch.zeros(1)}, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(ValueError, match="do not match"):
+        LLM(loaded_model=model, num_kv_blocks=8, speculative_config={
+            "method": "eagle", "num_speculative_tokens": 2,
+            "model": str(tmp_path / "bad.safetensors")})
+
+
+@pytest.mark.parametrize("method", ["pard", "dflash", "eagle"])
+def test_runner_refuses_a_drafter_pass_that_disagrees(model: LlamaForCausalLM,
+                                                      method: str) -> None:
+    """A SchedulerOutput that under-declares the drafter's widest pass is refused
+    before any buffer is written."""
+    import dataclasses
+
+    from runner import BudgetInvariantError
+    from scheduler import Request
+
+    llm = LLM(loaded_model=model, max_num_batched_tokens=64, num_kv_blocks=16,
+              speculative_config={"method": method, "num_speculative_tokens": 3})
+    core = llm.engine
+    core.add_request(Request("r", list(range(100, 120)), SamplingParams(max_tokens=8)))
+    out = core.scheduler.schedule()
+    core.runner.buffers.input_ids.np[:] = -7
+    forged = dataclasses.replace(out, num_drafter_tokens=out.num_drafter_tokens - 1)
+    with pytest.raises(BudgetInvariantError, match=method):
+        core.runner.execute(forged)
+    assert (core.runner.buffers.input_ids.np == -7).all()
+    result = core.runner.execute(out)  # the honest output runs
+    assert max(v for p, v in result.pass_rows.items() if p != "target") == \
+        out.num_drafter_tokens
