@@ -1,12 +1,14 @@
 """Tokens per second with speculation off and with each method, on the default model.
 
-Two workloads: input-grounded (continue / copy text whose answer repeats the input,
+Two workloads: input-grounded (edit / rewrite text whose answer repeats the input,
 where lookup drafters shine) and open-ended. Concurrency 1 and 16. For each run:
 output tokens per second, the ratio against speculation off from the same run, the
 acceptance figures, and the theoretical tokens per step (1 - a^(k+1)) / (1 - a) for
-the measured per-draft acceptance a. Heads (eagle, mtp, parallel, dflash) are randomly
-initialised here, so their acceptance is near 0: their rows show the cost of drafting
-inside the budget, not a trained head's speed-up.
+the measured per-draft acceptance a. Requests go through the chat template and stop at
+EOS or max_tokens; a warm-up request runs first and is left out of every figure.
+Heads (eagle, mtp, parallel, dflash) are randomly initialised here, so their
+acceptance is near 0: their rows show the cost of drafting inside the budget, not a
+trained head's speed-up.
 
     python benchmarks/spec_decode.py [--quick] [--methods ngram,suffix,...] [--out PATH]
 """
@@ -31,15 +33,16 @@ from runner.model_prep import resolve_model  # noqa: E402
 from scheduler import SamplingParams  # noqa: E402
 from spec_decode import METHODS  # noqa: E402
 
+# Chat requests to the instruct model. Grounded: the answer repeats the input (edit,
+# rewrite, fix), where lookup drafters find their drafts. Open: nothing to copy.
 GROUNDED = [
-    "Rewrite this code exactly, then stop.\n\ndef mean(values):\n    total = 0\n"
-    "    for v in values:\n        total += v\n    return total / len(values)\n\n"
-    "Rewritten:\n\ndef mean(values):\n",
-    "Repeat the sentence three times: The committee will meet on Tuesday to review "
-    "the budget. The committee will meet on Tuesday to review the budget.",
-    "List: red, orange, yellow, green, blue, indigo, violet. Again: red, orange,",
-    "SELECT name, email FROM users WHERE active = 1 ORDER BY name;\n"
-    "SELECT name, email FROM users WHERE active = 1 ORDER BY",
+    "Rewrite this function with type hints and nothing else:\n\n"
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+    "    return total / len(values)",
+    "Fix the spelling mistakes and repeat the sentence: The commitee will meet on "
+    "Tuesday to reveiw the budjet and the schedual.",
+    "Convert to uppercase: the quick brown fox jumps over the lazy dog near the river bank.",
+    "Add a docstring to this function:\n\ndef greet(name):\n    return 'Hello, ' + name",
 ]
 OPEN = [
     "Write a short story about a lighthouse keeper.",
@@ -62,21 +65,27 @@ def run_one(model: torch.nn.Module, method: str | None, prompts: list[str], k: i
     spec = {"method": method, "num_speculative_tokens": k} if method else None
     llm = LLM(loaded_model=model, speculative_config=spec, max_num_batched_tokens=256,
               max_num_seqs=16, max_model_len=1024)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens)
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    before = llm.get_metrics()["spec_decode"]
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.chat(chats, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     spec_stats = llm.get_metrics()["spec_decode"]
-    alpha = spec_stats["acceptance_rate"]
+    drafted = spec_stats["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted = spec_stats["num_accepted_tokens"] - before["num_accepted_tokens"]
+    drafts = spec_stats["num_drafts"] - before["num_drafts"]
+    alpha = accepted / drafted if drafted else None
     return {
         "method": method or "off", "num_speculative_tokens": k if method else 0,
         "output_tokens": tokens, "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 2),
         "steps": llm.get_metrics()["num_steps"],
         "acceptance_rate": alpha,
-        "mean_acceptance_length": spec_stats["mean_acceptance_length"],
-        "acceptance_per_pos": spec_stats["acceptance_per_pos"],
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "acceptance_per_pos_since_start": spec_stats["acceptance_per_pos"],
         "theoretical_tokens_per_step": theoretical_tokens_per_step(alpha, k) if method else 1.0,
         "outputs": [o.outputs[0].token_ids for o in outs],
     }
@@ -93,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
         "spec_decode_quick.json" if args.quick else "spec_decode.json")
     methods = [m for m in args.methods.split(",") if m]
     concurrencies = (1, 4) if args.quick else (1, 16)
-    max_tokens = 8 if args.quick else 48
+    max_tokens = 8 if args.quick else 64
     torch.manual_seed(0)
     model = load_model(resolve_model(None), torch.float32, torch.device("cpu"))
     rows = []
