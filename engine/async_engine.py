@@ -110,9 +110,15 @@ class AsyncEngine:
         with self._wake:
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
+        aborted = []
         for request_id in aborts:
             self.core.abort_request(request_id)
-            self.processor.drop(request_id)
+            delta = self.processor.abort(request_id)
+            if delta is not None:
+                aborted.append(delta)
+        if aborted:  # metrics count aborts as finished requests, like vLLM
+            for hook in self.on_step:
+                hook(self.core, aborted, {})
         for request, params in adds:
             if request.request_id not in self._streams:
                 continue  # its client left before it started

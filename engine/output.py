@@ -60,6 +60,14 @@ class OutputProcessor:
     def drop(self, request_id: str) -> None:
         self._reqs.pop(request_id, None)
 
+    def abort(self, request_id: str) -> RequestDelta | None:
+        """The final delta of a request aborted by its caller (None if unknown)."""
+        tracked = self._reqs.pop(request_id, None)
+        if tracked is None:
+            return None
+        return RequestDelta(request_id, [], tracked.detok.take(final=True), True, "abort",
+                            tracked.num_prompt_tokens, len(tracked.detok.token_ids))
+
     def process(self, updates: list[StepUpdate]
                 ) -> tuple[list[RequestDelta], list[str], dict[str, LatencySample]]:
         """Deltas, ids stopped by a stop string (to abort), latency samples."""

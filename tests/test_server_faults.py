@@ -239,6 +239,12 @@ def test_stream_disconnect_aborts_request(server: ServerThread, engine: AsyncEng
     ((aborted, num_output),) = engine_calls["aborted"]
     assert aborted == added and num_output < LONG_RUN["max_tokens"]
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    # The abort is counted as a finished request with reason "abort", like vLLM.
+    metrics = httpx.get(server.base_url + "/metrics").text
+    counted = [line for line in metrics.splitlines()
+               if line.startswith("specbudget:request_success_total{")
+               and 'finished_reason="abort"' in line]
+    assert counted and float(counted[0].rsplit(" ", 1)[1]) >= 1
 
 
 def test_non_streaming_disconnect_aborts_request(server: ServerThread, engine: AsyncEngine,
