@@ -253,11 +253,15 @@ def _describe_spec(spec: SpeculativeConfig | None) -> str:
 
 
 def serve(args: argparse.Namespace) -> int:
+    import prometheus_client
     import uvicorn
 
     from engine.async_engine import AsyncEngine
     from engine.server import build_app
 
+    # Operators scrape vLLM-shaped metrics; the *_created series only add noise
+    # (process-wide, so it is set here for the serving process, not in build_app).
+    prometheus_client.disable_created_metrics()
     level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
     config = engine_config_from_args(args)

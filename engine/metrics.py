@@ -149,6 +149,9 @@ class EngineMetrics:
                               "Time to first token.", buckets=TTFT_BUCKETS).labels(m)
         self.itl = self._add(Histogram, "inter_token_latency_seconds",
                              "Inter-token latency.", buckets=ITL_BUCKETS).labels(m)
+        self.tpot = self._add(Histogram, "request_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.",
+                              buckets=ITL_BUCKETS).labels(m)
         self.e2e = self._add(Histogram, "e2e_request_latency_seconds",
                              "End-to-end request latency.", buckets=E2E_BUCKETS).labels(m)
         self.request_prompt_tokens = self._add(
@@ -202,6 +205,8 @@ class EngineMetrics:
                 self.itl.observe(gap)
             if sample.e2e is not None:
                 self.e2e.observe(sample.e2e)
+            if sample.tpot is not None:
+                self.tpot.observe(sample.tpot)
 
     def on_stats(self, stats: SchedulerStats) -> None:
         """Add what the scheduler's cumulative counts gained since the last call."""

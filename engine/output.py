@@ -43,6 +43,8 @@ class LatencySample:
     ttft: float | None = None
     itl: list[float] = field(default_factory=list)
     e2e: float | None = None
+    # Mean time per output token after the first, set when a request finishes.
+    tpot: float | None = None
 
 
 class OutputProcessor:
@@ -92,6 +94,9 @@ class OutputProcessor:
                 to_abort.append(update.request_id)
             if finished:
                 sample.e2e = now - tracked.arrival
+                num_output = len(tracked.detok.token_ids)
+                if tracked.first_token is not None and num_output > 1:
+                    sample.tpot = (now - tracked.first_token) / (num_output - 1)
                 del self._reqs[update.request_id]
             latency[update.request_id] = sample
             deltas.append(RequestDelta(

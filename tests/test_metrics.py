@@ -209,5 +209,9 @@ def test_real_core_dflash_counts_match_scheduler_stats(model: LlamaForCausalLM) 
     assert value(registry, "time_to_first_token_seconds_count") == 2
     assert value(registry, "e2e_request_latency_seconds_count") == 2
     assert value(registry, "inter_token_latency_seconds_count") > 0
+    # Two requests of 5 tokens: TPOT is one mean per request, not one per token.
+    assert value(registry, "request_time_per_output_token_seconds_count") == 2
+    assert (value(registry, "request_time_per_output_token_seconds_sum")
+            <= value(registry, "e2e_request_latency_seconds_sum") / 4)
     assert value(registry, "num_requests_running") == 0
     assert value(registry, "kv_cache_usage_perc") == 0.0
