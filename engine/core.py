@@ -37,6 +37,13 @@ class EngineCore:
         self._live: dict[str, tuple[Request, int]] = {}  # request, outputs reported
 
     def add_request(self, request: Request) -> None:
+        """Queue a request; refuse token ids the model cannot embed (a bad id would
+        fail the whole step, and with it every other request in the batch)."""
+        vocab = self.runner.model_config.vocab_size
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request.request_id!r}: prompt_token_ids must be in "
+                             f"[0, {vocab}); got {bad[:5]}")
         self.scheduler.add_request(request)
         self._live[request.request_id] = (request, 0)
 

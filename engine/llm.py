@@ -59,14 +59,21 @@ class LLM:
         params = sampling_params or SamplingParams()
         items: list[str | list[int]] = [prompts] if isinstance(prompts, str) else list(prompts)
         outputs: dict[str, RequestOutput] = {}
-        for item in items:
-            text = item if isinstance(item, str) else None
-            ids = self.tokenizer.encode(item) if isinstance(item, str) else [int(t) for t in item]
-            rid = str(next(self._ids))
-            self.engine.add_request(Request(rid, ids, params,
-                                            eos_token_id=self.tokenizer.eos_token_id))
-            self.processor.add(rid, len(ids), params)
-            outputs[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None)])
+        try:
+            for item in items:
+                text = item if isinstance(item, str) else None
+                ids = (self.tokenizer.encode(item) if isinstance(item, str)
+                       else [int(t) for t in item])
+                rid = str(next(self._ids))
+                self.engine.add_request(Request(rid, ids, params,
+                                                eos_token_id=self.tokenizer.eos_token_id))
+                self.processor.add(rid, len(ids), params)
+                outputs[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None)])
+        except ValueError:
+            for rid in outputs:  # all or nothing: drop the prompts already queued
+                self.engine.abort_request(rid)
+                self.processor.drop(rid)
+            raise
         with tqdm(total=len(outputs), desc="requests", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 deltas, stopped, _ = self.processor.process(self.engine.step())

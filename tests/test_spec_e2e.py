@@ -190,3 +190,15 @@ def test_runner_refuses_a_drafter_pass_that_disagrees(model: LlamaForCausalLM,
     result = core.runner.execute(out)  # the honest output runs
     assert max(v for p, v in result.pass_rows.items() if p != "target") == \
         out.num_drafter_tokens
+
+
+def test_out_of_vocab_prompt_is_refused_and_others_still_served(
+        model: LlamaForCausalLM) -> None:
+    llm = LLM(loaded_model=model, num_kv_blocks=16)
+    with pytest.raises(ValueError, match=r"prompt_token_ids must be in \[0, 49152\)"):
+        llm.generate([[5, 49152, 7]], PARAMS)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([[5, 6], [5, -1]], PARAMS)  # the valid first prompt is dropped too
+    assert not llm.engine.has_unfinished_requests()
+    (out,) = llm.generate(["The capital of France is"], PARAMS)
+    assert "Paris" in out.outputs[0].text
