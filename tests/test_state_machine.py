@@ -64,17 +64,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_blocks = 20 if tight else 400
         self.tight = tight
         sched_cfg = SchedulerConfig(budget, max_num_seqs, MAX_MODEL_LEN, chunked, policy)
-        cache_cfg = CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks)
+        # Shadow: the same run with speculation off must schedule identically when the
+        # method adds no rows and proposes nothing. eagle/mtp hold k - 1 lookahead slots
+        # for their drafter's KV, so the pool must not bind, and prefix caching must be
+        # off: the extra blocks change which free cached blocks get evicted, hence hits.
+        shadow = empty_proposer and method in NO_EXTRA_ROWS and (
+            method in ("ngram", "suffix") or not tight)
+        cache_cfg = CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks,
+                                enable_prefix_caching=not (shadow and method in ("eagle", "mtp")))
         self.sched = Scheduler(sched_cfg, cache_cfg, spec)
         propose = (lambda rid, n: []) if empty_proposer else None
         self.runner = SimulatedRunner(method, vocab_size=50, acceptance=acceptance,
                                       eos_token_id=2, eos_prob=0.03, seed=seed, propose=propose)
-        # Shadow: the same run with speculation off must schedule identically when the
-        # method adds no rows and proposes nothing (eagle's lookahead slots need a
-        # pool that does not bind).
         self.shadow: tuple[Scheduler, SimulatedRunner] | None = None
-        if empty_proposer and method in NO_EXTRA_ROWS and (method in ("ngram", "suffix")
-                                                           or not tight):
+        if shadow:
             self.shadow = (Scheduler(sched_cfg, cache_cfg, None),
                            SimulatedRunner(None, vocab_size=50, acceptance=acceptance,
                                            eos_token_id=2, eos_prob=0.03, seed=seed))
