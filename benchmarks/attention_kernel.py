@@ -11,8 +11,6 @@ only the torch path is timed, on a small fp32 batch: the Triton path needs CUDA.
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import statistics
 import sys
@@ -26,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make the repo's packages importable
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import bench_parser, out_path, write_report  # noqa: E402
 from runner.attention import AttentionBackend, AttentionMetadata  # noqa: E402
 from runner.attention.torch_paged import TorchPagedAttention  # noqa: E402
 
@@ -113,14 +112,9 @@ def run_case(case: tuple[str, int, int, int], backends: dict[str, AttentionBacke
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None,
-                        help=f"JSON output path (default {DEFAULT_OUT.relative_to(ROOT)}; "
-                             "--quick: *_quick.json, so a test never overwrites a full run)")
-    parser.add_argument("--quick", action="store_true", help="a few seconds, for tests")
+    parser = bench_parser(__doc__, DEFAULT_OUT)
     args = parser.parse_args(argv)
-    if args.out is None:
-        args.out = DEFAULT_OUT.with_stem(DEFAULT_OUT.stem + "_quick") if args.quick else DEFAULT_OUT
+    args.out = out_path(args, DEFAULT_OUT)
     backends: dict[str, AttentionBackend] = {"torch": TorchPagedAttention()}
     if torch.cuda.is_available():
         from runner.attention.triton_paged import TritonPagedAttention
@@ -148,8 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "results": records,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     for r in records:
         extra = (f"  triton {r['triton_ms']:8.3f} ms  torch/triton {r['torch_over_triton']:.2f}x"
                  if "triton_ms" in r else "")

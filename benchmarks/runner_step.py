@@ -9,7 +9,6 @@ model. Input preparation should be a small fraction of the step.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ if str(ROOT) not in sys.path:  # run as a script: make the repo's packages impor
 
 import torch  # noqa: E402
 
+from benchmarks.common import write_report  # noqa: E402
 from runner.config import RunnerConfig  # noqa: E402
 from runner.model_loader import load_model  # noqa: E402
 from runner.model_prep import resolve_model  # noqa: E402
@@ -88,8 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows.append(bench_prefill(model, args.device, 128 if args.quick else 512, repeats))
     report = {"benchmark": "runner_step", "device": args.device, "dtype": "float32",
               "threads": torch.get_num_threads(), "quick": args.quick, "results": rows}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(out_path, report)
     print(f"{'case':<14}{'prepare ms':>11}{'forward ms':>11}{'sample ms':>10}"
           f"{'step ms':>9}{'prep %':>8}")
     for row in rows:

@@ -14,9 +14,7 @@ the statistics pool every timed step of every repeat. The garbage collector stay
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import platform
 import statistics
 import sys
@@ -28,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make the repo's packages importable
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import bench_parser, out_path, write_report  # noqa: E402
 from runner.simulated import SimulatedRunner  # noqa: E402
 from scheduler import (  # noqa: E402
     CacheConfig,
@@ -166,16 +165,11 @@ def print_summary(records: list[dict], ratios: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None,
-                        help=f"JSON output path (default {DEFAULT_OUT.relative_to(ROOT)}; "
-                             "--quick: *_quick.json, so a test never overwrites a full run)")
-    parser.add_argument("--quick", action="store_true", help="a few seconds, for tests")
+    parser = bench_parser(__doc__, DEFAULT_OUT)
     parser.add_argument("--seed", type=int, default=0, help="SimulatedRunner seed")
     args = parser.parse_args(argv)
     grid = QUICK if args.quick else FULL
-    if args.out is None:
-        args.out = DEFAULT_OUT.with_stem(DEFAULT_OUT.stem + "_quick") if args.quick else DEFAULT_OUT
+    args.out = out_path(args, DEFAULT_OUT)
     records = [run_config(method, num_reqs, grid.repeats, grid.steps, args.seed)
                for num_reqs in grid.sizes for method in METHODS]
     ratios = spec_ratios(records)
@@ -193,8 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
         "results": records,
         "spec_on_over_off": ratios,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     print_summary(records, ratios)
     print(f"\nwrote {args.out}")
     return report

@@ -16,7 +16,6 @@ trained head's speed-up.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ if str(ROOT) not in sys.path:  # run as a script: make the repo's packages impor
 
 import torch  # noqa: E402
 
+from benchmarks.common import write_report  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from runner.model_loader import load_model  # noqa: E402
 from runner.model_prep import resolve_model  # noqa: E402
@@ -127,8 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"benchmark": "spec_decode", "device": "cpu", "dtype": "float32",
               "num_speculative_tokens": args.k, "max_tokens": max_tokens,
               "quick": args.quick, "results": rows}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(out_path, report)
     print(f"wrote {out_path}")
     return report
 

@@ -15,8 +15,6 @@ the same seeds for every rule, and the per-step statistics are pooled over them.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make the repo's packages importable
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import bench_parser, out_path, write_report  # noqa: E402
 from benchmarks.vllm_rules import (  # noqa: E402
     FlatChargeRule,
     StaticReservationRule,
@@ -215,15 +214,10 @@ def _fmt(value: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None,
-                        help=f"JSON output path (default {DEFAULT_OUT.relative_to(ROOT)}; "
-                             "--quick: *_quick.json, so a test never overwrites a full run)")
-    parser.add_argument("--quick", action="store_true", help="a few seconds, for tests")
+    parser = bench_parser(__doc__, DEFAULT_OUT)
     args = parser.parse_args(argv)
     grid = QUICK if args.quick else FULL
-    if args.out is None:
-        args.out = DEFAULT_OUT.with_stem(DEFAULT_OUT.stem + "_quick") if args.quick else DEFAULT_OUT
+    args.out = out_path(args, DEFAULT_OUT)
     records = [run_config(method, k, budget, seqs, rule, grid.workload, grid.seeds)
                for method, k in grid.cases for budget in grid.budgets
                for seqs in grid.max_num_seqs for rule in RULES]
@@ -239,8 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
         "results": records,
         "ratios_ours_over_vllm": ratio_rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     print_summary(records, ratio_rows)
     print(f"\nwrote {args.out}")
     return report
