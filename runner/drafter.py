@@ -17,6 +17,7 @@ from runner.buffers import StepBuffers
 from runner.config import kv_bytes_per_block
 from runner.draft_models import DraftHead, DraftLM, KVCache, load_head_weights
 from runner.draft_passes import MASK_ROW, DraftPass, StepResult, build_passes
+from runner.errors import BudgetInvariantError
 from runner.model_loader import load_model
 from runner.model_prep import DEFAULT_MODEL_NAME, resolve_model
 from runner.models.llama import LlamaForCausalLM
@@ -77,11 +78,26 @@ class ModelDrafter:
     def buffer_bytes(self) -> int:
         return self.hidden.numel() * self.hidden.element_size()
 
-    def propose(self, res: StepResult, target_hidden: torch.Tensor) -> dict[int, list[int]]:
-        """Drafts per scheduled-request index, for every request with k >= 1."""
+    def _check_built(self, name: str, built: int, counted: dict[str, int]) -> None:
+        """The rows really built must be the rows asserted against the budget."""
+        if built != counted.get(name, 0):
+            raise BudgetInvariantError(
+                f"method={self.method}: pass {name!r} built {built} rows but the step "
+                f"counted {counted.get(name, 0)} before running")
+
+    def propose(self, res: StepResult, target_hidden: torch.Tensor,
+                counted: dict[str, int]) -> dict[int, list[int]]:
+        """Drafts per scheduled-request index, for every request with k >= 1.
+
+        `counted`: the rows per pass the runner asserted before the step wrote anything;
+        every pass is checked against it once built, before it is run.
+        """
         drafts: dict[int, list[int]] = {int(i): [] for i in np.flatnonzero(res.num_drafts)}
         last_hidden: dict[int, torch.Tensor] = {}
-        for draft_pass in build_passes(self.method, res, self.states.token_ids, self.mask_id):
+        passes = build_passes(self.method, res, self.states.token_ids, self.mask_id)
+        for draft_pass in passes:
+            self._check_built(draft_pass.name, draft_pass.num_rows, counted)
+        for draft_pass in passes:
             if draft_pass.num_rows == 0:
                 continue
             out = self._run(draft_pass, res, target_hidden)
@@ -93,16 +109,17 @@ class ModelDrafter:
                     drafts[req].append(token)
                     last_hidden[req] = h
         if self.method in ("eagle", "mtp", "draft_model"):
-            self._sequential(res, drafts, last_hidden)
+            self._sequential(res, drafts, last_hidden, counted)
         return drafts
 
     def _sequential(self, res: StepResult, drafts: dict[int, list[int]],
-                    last_hidden: dict[int, torch.Tensor]) -> None:
+                    last_hidden: dict[int, torch.Tensor], counted: dict[str, int]) -> None:
         """k - 1 one-row steps: each drafting request feeds its newest draft back."""
         # eagle's row at p consumes the token at p + 1; draft_model's the token at p.
         offset = -1 if self.method != "draft_model" else 0
         for j in range(1, int(res.num_drafts.max(initial=0))):
             reqs = np.flatnonzero(res.num_drafts > j)
+            self._check_built(f"step_{j}", len(reqs), counted)
             positions = res.computed[reqs] + res.valid[reqs] + j + offset
             tokens = np.array([drafts[int(r)][-1] for r in reqs], dtype=np.int64)
             one_row = np.zeros(len(res.rows), dtype=np.int64)

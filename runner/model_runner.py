@@ -171,7 +171,8 @@ class ModelRunner:
             emitted, logprobs = self._sample(step, logits, spec)
             result = self._record(step, computed, emitted, k)
         with self._phase("draft"):
-            drafts = self.spec.propose(result, hidden, req_ids) if self.spec else {}
+            drafts = (self.spec.propose(result, hidden, req_ids, self.last_pass_rows)
+                      if self.spec else {})
         out_tokens: list[list[int]] = [[] for _ in req_ids]
         for j, i in enumerate(np.flatnonzero(step.samples).tolist()):
             out_tokens[i] = emitted[j]

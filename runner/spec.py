@@ -81,8 +81,8 @@ class SpecDecoder:
         out = self.rejection.forward(flat, [len(d) for d in drafts], None, logits, meta)
         return [[t for t in row if t >= 0] for row in out.tolist()]
 
-    def propose(self, res: StepResult, target_hidden: torch.Tensor,
-                req_ids: list[str]) -> dict[str, list[int]]:
+    def propose(self, res: StepResult, target_hidden: torch.Tensor, req_ids: list[str],
+                counted: dict[str, int]) -> dict[str, list[int]]:
         """Next drafts for every request that samples with k >= 1."""
         drafting = np.flatnonzero(res.num_drafts)
         if self.proposer is not None:
@@ -92,5 +92,5 @@ class SpecDecoder:
                         int(res.num_drafts[i]))[:int(res.num_drafts[i])]
                     for i in drafting.tolist()}
         assert self.drafter is not None
-        by_index = self.drafter.propose(res, target_hidden)
+        by_index = self.drafter.propose(res, target_hidden, counted)
         return {req_ids[i]: by_index[i][:int(res.num_drafts[i])] for i in drafting.tolist()}

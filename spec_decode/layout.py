@@ -33,8 +33,6 @@ class DrafterLayout(ABC):
     pass_names: ClassVar[tuple[str, ...]] = ()
     # Per pass: does it carry the chunk's n context rows?
     context_passes: ClassVar[tuple[bool, ...]] = ()
-    # True when k - 1 sequential one-row passes follow the first (see module doc).
-    sequential_steps: ClassVar[bool] = False
 
     def extra_rows(self, k: int) -> tuple[int, ...]:
         """Rows beyond the context rows that proposing k drafts adds to each pass."""
@@ -68,7 +66,6 @@ class EagleLayout(DrafterLayout):
     method = "eagle"
     pass_names = ("draft",)
     context_passes = (True,)
-    sequential_steps = True
 
     def lookahead_slots(self, k: int) -> int:
         # The k - 1 follow-up steps each write one position past the chunk.
@@ -85,7 +82,6 @@ class DraftModelLayout(DrafterLayout):
     method = "draft_model"
     pass_names = ("draft",)
     context_passes = (True,)
-    sequential_steps = True
 
     def extra_rows(self, k: int) -> tuple[int, ...]:
         return (1 if k > 0 else 0,)
