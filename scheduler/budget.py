@@ -40,15 +40,17 @@ class RequestView:
 
 
 def num_drafts(max_k: int, max_model_len: int, req: RequestView, num_spec: int) -> int:
-    """k for a request that samples this step after verifying `num_spec` drafts.
+    """k for a request that samples this step after verifying `num_spec` (s) drafts.
 
-    The first cut treats every verified draft as accepted, so no draft position can
-    reach `max_model_len`; the second leaves room for this step's token and the next
-    step's bonus token, which needs no draft.
+    Both cuts take the worst case: this step emits up to s + 1 tokens and the next
+    step up to k + 1 (its k drafts all accepted, plus a bonus token). So after two
+    steps the request holds at most `max_model_len` tokens and has emitted at most
+    `max_tokens`: no draft is proposed that could not be used, and no position at or
+    past `max_model_len` is ever written (DESIGN.md §2).
     """
     return max(0, min(max_k,
-                      max_model_len - (req.num_tokens + num_spec + 1),
-                      req.max_tokens - req.num_output_tokens - 2))
+                      max_model_len - (req.num_tokens + num_spec + 2),
+                      req.max_tokens - (req.num_output_tokens + num_spec) - 2))
 
 
 class ThrottleRule:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from runner import BudgetInvariantError, check_pass_rows
@@ -134,12 +136,14 @@ def test_partial_prefill_chunk_is_charged_no_drafting_rows(method: str) -> None:
 
 
 def test_drafts_stop_at_max_model_len() -> None:
-    """k = max_model_len - (num_tokens + s + 1): no draft position reaches the limit."""
+    """k = max_model_len - (num_tokens + s + 2): even if this step and the next accept
+    every draft, the request ends with exactly max_model_len tokens, never more."""
     sched = make_scheduler("pard", k=4, budget=64, max_model_len=64)
     runner = SimulatedRunner("pard", acceptance=1.0, seed=0)
     sched.add_request(make_request("r", 60, max_tokens=100))
+    request = sched.requests["r"]
     out, _ = run_step(sched, runner)
-    assert out.num_draft_tokens == {"r": 3}  # 64 - (60 + 0 + 1)
+    assert out.num_draft_tokens == {"r": 2}  # 64 - (60 + 0 + 2)
     ks = []
     while sched.has_unfinished_requests():
         out, _ = run_step(sched, runner)
@@ -147,7 +151,20 @@ def test_drafts_stop_at_max_model_len() -> None:
         assert runner.last_step is not None
         for rows in runner.last_step.passes.values():
             assert all(pos < 64 for _, pos in rows)
-    assert ks == [0]  # 60 + 3 accepted + 1 = 64 tokens: the last step drafts nothing
+    assert ks == [0]  # 61 tokens + 2 accepted + 1 bonus = 64: the last step drafts nothing
+    assert request.num_tokens == 64 and request.finish_reason == "length"
+
+
+def test_k_rule_counts_verified_drafts_in_both_cuts() -> None:
+    """s drafts verified now may all be accepted: both cuts leave room for them."""
+    view = RequestView(num_computed_tokens=20, num_tokens=21, num_spec_tokens=3,
+                       num_output_tokens=5, max_tokens=12)
+    # max_tokens cut: 12 - (5 + 3) - 2 = 2; without s it would be 5.
+    assert num_drafts(4, 1000, view, 3) == 2
+    # max_model_len cut: 30 - (21 + 3 + 2) = 4, and 29 - 26 = 3.
+    assert num_drafts(8, 30, replace(view, max_tokens=100), 3) == 4
+    assert num_drafts(8, 29, replace(view, max_tokens=100), 3) == 3
+    assert num_drafts(8, 26, replace(view, max_tokens=100), 3) == 0
 
 
 def test_drafts_cut_by_remaining_max_tokens() -> None:

@@ -31,8 +31,8 @@ def expected_k(max_k: int, req: Request, n: int, s: int, computed_before: int) -
     """DESIGN.md §2's k rule, restated independently of scheduler/budget.py."""
     if computed_before + n < req.num_tokens:
         return 0
-    return max(0, min(max_k, MAX_MODEL_LEN - (req.num_tokens + s + 1),
-                      req.max_tokens - req.num_output_tokens - 2))
+    return max(0, min(max_k, MAX_MODEL_LEN - (req.num_tokens + s + 2),
+                      req.max_tokens - (req.num_output_tokens + s) - 2))
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -159,6 +159,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._abort(abort, shadow=False)  # the shadow aborts after its own schedule()
         result = self.runner.execute(out)  # asserts built == declared, every pass <= B
         self._check_positions()
+        self._check_room(result)
         self.sched.update_from_output(out, result)
         if self.shadow:
             self._step_shadow(out, abort)
@@ -185,6 +186,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert self.adaptive and k < rule_k == out.adapted_draft_tokens[rid]
             else:
                 assert k == rule_k, (rid, n, s, k, rule_k)
+
+    def _check_room(self, result) -> None:  # type: ignore[no-untyped-def]
+        """The worst case the k rule guards: every token a step emits fits within
+        max_model_len and max_tokens, so none is ever dropped for length."""
+        for rid, sampled in zip(result.req_ids, result.sampled_token_ids, strict=True):
+            req = self.sched.requests.get(rid)
+            if req is None:
+                continue  # aborted mid-step
+            room = min(MAX_MODEL_LEN - req.num_tokens, req.max_tokens - req.num_output_tokens)
+            assert len(sampled) <= room, (rid, len(sampled), room)
 
     def _check_positions(self) -> None:
         step = self.runner.last_step
