@@ -199,14 +199,15 @@ class ModelRunner:
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         states = self.states
-        generators = {i: states.generators[row] for i, row in enumerate(rows.tolist())
-                      if row in states.generators}
+        seeds = {i: states.seeds[row] for i, row in enumerate(rows.tolist())
+                 if row in states.seeds}
         num_logprobs = states.num_logprobs[rows]
         return SamplingMetadata.from_arrays(
             temperature=states.temperature[rows], top_p=states.top_p[rows],
-            top_k=states.top_k[rows], min_p=states.min_p[rows], generators=generators,
+            top_k=states.top_k[rows], min_p=states.min_p[rows], seeds=seeds,
             max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
             device=self.device,
+            positions=states.num_tokens[rows],  # where each row's first new token goes
         )
 
     def _sample(self, step: PreparedStep, logits: torch.Tensor, spec: dict[str, list[int]]

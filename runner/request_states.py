@@ -28,7 +28,7 @@ class RequestStates:
         self.top_k = np.zeros(max_num_seqs, dtype=np.int64)
         self.min_p = np.zeros(max_num_seqs, dtype=np.float32)
         self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)  # -1: none asked
-        self.generators: dict[int, torch.Generator] = {}
+        self.seeds: dict[int, int] = {}  # row -> seed, for seeded random requests
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
@@ -38,7 +38,7 @@ class RequestStates:
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)
         if row is not None:
-            self.generators.pop(row, None)
+            self.seeds.pop(row, None)
             self._free_rows.append(row)
 
     def add(self, new: NewRequestData) -> None:
@@ -58,10 +58,8 @@ class RequestStates:
         self.min_p[row] = params.min_p
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         if params.seed is not None and params.temperature > 0:
-            # The request's own generator: its draws never depend on the batch.
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed)
-            self.generators[row] = gen
+            # Its draws are keyed by (seed, position): never by the batch or the drafts.
+            self.seeds[row] = params.seed
 
     def update(self, cached: CachedRequestData) -> None:
         row = self.row_of[cached.req_id]

@@ -2,9 +2,10 @@
 
 One `Sampler.forward` call samples one token for each of N rows (one row per request
 that samples this step). Everything is vectorised over the batch except the draws of
-seeded requests, which are made row by row from each request's own generator: a
-seeded request's token then depends only on its own logits and seed, never on which
-other requests share the batch or at which row it sits.
+seeded requests, which are made row by row from noise keyed by (seed, token position):
+a seeded request's token then depends only on its own logits, seed and position, never
+on which other requests share the batch, at which row it sits, or how many tokens
+earlier steps drew.
 """
 
 from __future__ import annotations
@@ -21,11 +22,31 @@ from scheduler.request import SamplingParams
 SAMPLING_EPS = 1e-5
 
 
-def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A request's own random stream, created once when the request starts."""
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of one request's random draws at one token position (splitmix64 of
+    both, so all 64 bits of the request's seed count).
+
+    Keying draws by (seed, position), not by a generator whose state advances with
+    every draw, makes a seeded request's tokens independent of how many drafts were
+    proposed or verified: the same seed gives the same text under every method.
+    """
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def position_noise(seed: int, position: int, size: int,
+                   device: torch.device | str) -> torch.Tensor:
+    """Exp(1) noise of `size` tokens, a pure function of (seed, position)."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
+    # The CPU generator (mt19937) keeps only 32 bits of its seed: the mix above has
+    # already folded all 64 bits of the request's seed into them.
+    generator.manual_seed(position_seed(seed, position))
+    return torch.empty(size, device=device).exponential_(generator=generator)
 
 
 @dataclass
@@ -37,7 +58,8 @@ class SamplingMetadata:
     paths cost no device sync: `all_greedy` skips softmax and sampling, `no_top_k` /
     `no_top_p` together skip the sort, `no_min_p` skips the min-p mask. They must agree
     with the tensors (a flag that lies skips work a row needs); `from_arrays` sets them.
-    `generators` maps a row to its request's generator, for requests with a seed.
+    `seeds` maps a row to its request's seed, for requests with one; `positions` holds
+    each row's token position (where its sampled token goes), which keys its draws.
     `max_num_logprobs`: None = no logprobs; n >= 0 = the sampled token's logprob plus
     the top n for every row.
     """
@@ -46,7 +68,8 @@ class SamplingMetadata:
     top_p: torch.Tensor  # [N] fp32, 1.0 = off
     top_k: torch.Tensor  # [N] int64, 0 = off
     min_p: torch.Tensor  # [N] fp32, 0.0 = off
-    generators: dict[int, torch.Generator]
+    seeds: dict[int, int]
+    positions: np.ndarray  # [N] int64, host
     all_greedy: bool
     all_random: bool
     no_top_p: bool
@@ -61,9 +84,10 @@ class SamplingMetadata:
         top_p: np.ndarray,
         top_k: np.ndarray,
         min_p: np.ndarray,
-        generators: dict[int, torch.Generator],
+        seeds: dict[int, int],
         max_num_logprobs: int | None,
         device: torch.device | str = "cpu",
+        positions: np.ndarray | None = None,
     ) -> SamplingMetadata:
         """Build from host arrays of N rows (the runner's per-request arrays, gathered).
 
@@ -82,7 +106,9 @@ class SamplingMetadata:
             top_p=to_device(top_p, torch.float32),
             top_k=to_device(top_k, torch.int64),
             min_p=to_device(min_p, torch.float32),
-            generators=dict(generators),
+            seeds=dict(seeds),
+            positions=(np.zeros(len(temperature), dtype=np.int64) if positions is None
+                       else np.asarray(positions, dtype=np.int64)),
             all_greedy=bool(greedy.all()),
             all_random=bool(random.all()),
             # Filters only matter on random rows: a greedy row's top_k never costs a sort.
@@ -96,19 +122,21 @@ class SamplingMetadata:
     def from_sampling_params(
         cls,
         params: Sequence[SamplingParams],
-        generators: dict[int, torch.Generator] | None = None,
+        seeds: dict[int, int] | None = None,
         device: torch.device | str = "cpu",
+        positions: np.ndarray | None = None,
     ) -> SamplingMetadata:
-        """Build for rows `params[0..N)`; `generators` is keyed by row (tests, simple callers)."""
+        """Build for rows `params[0..N)`; `seeds` is keyed by row (tests, simple callers)."""
         num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls.from_arrays(
             temperature=np.array([p.temperature for p in params], dtype=np.float32),
             top_p=np.array([p.top_p for p in params], dtype=np.float32),
             top_k=np.array([p.top_k for p in params], dtype=np.int64),
             min_p=np.array([p.min_p for p in params], dtype=np.float32),
-            generators=generators or {},
+            seeds=seeds or {},
             max_num_logprobs=max(num_logprobs) if num_logprobs else None,
             device=device,
+            positions=positions,
         )
 
 
@@ -168,7 +196,8 @@ class Sampler:
         if not meta.no_min_p:
             logits = apply_min_p(logits, meta.min_p)
         probs = torch.softmax(logits, dim=-1)  # [N, V]
-        return exponential_race(probs, meta.generators)
+        keys = {row: (seed, int(meta.positions[row])) for row, seed in meta.seeds.items()}
+        return exponential_race(probs, keys)
 
 
 def apply_top_k_top_p(
@@ -206,17 +235,17 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, keys: dict[int, tuple[int, int]]) -> torch.Tensor:
     """Sample each row from `probs` as argmax(probs / q), q ~ Exp(1) per token.
 
-    Equivalent to a categorical draw, with no cumsum or host sync. Seeded rows draw
-    their q from their own generator, row by row; all other rows share one call.
+    Equivalent to a categorical draw, with no cumsum or host sync. A seeded row's q is
+    `position_noise` of its (seed, position) key; all other rows share one call.
     """
     q = torch.empty_like(probs)  # [N, V]
-    if len(generators) < probs.shape[0]:
+    if len(keys) < probs.shape[0]:
         q.exponential_()
-    for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
+    for row, (seed, position) in keys.items():
+        q[row] = position_noise(seed, position, probs.shape[1], probs.device)
     # q = 0 would turn a masked token's 0 / 0 into NaN, which argmax would pick.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
     return probs.div(q).argmax(dim=-1)

@@ -15,8 +15,8 @@ Greedy requests (temperature 0) are the limit case: accept while the draft is th
 target's argmax, and emit the argmax at the first mismatch or at the bonus row.
 
 The work splits in three so that the GPU path can share everything but the walk:
-`DraftLayout` (index maths), `draw_random` (every random number of the step, from the
-requests' own generators where seeded) and `verify` (the accept/reject walk, given
+`DraftLayout` (index maths), `draw_random` (every random number of the step, keyed by
+(seed, position) where seeded) and `verify` (the accept/reject walk, given
 those numbers). `TritonRejectionSampler` (spec_decode/triton_rejection.py) overrides
 only `verify`, so both paths can be fed identical random inputs and compared exactly.
 """
@@ -34,6 +34,7 @@ from runner.sampler import (
     apply_min_p,
     apply_top_k_top_p,
     exponential_race,
+    position_seed,
 )
 
 # Fills the unused tail of each request's output row.
@@ -141,7 +142,7 @@ class RejectionSampler:
         if not sampling.all_greedy:
             target_probs = compute_target_probs(target_logits, sampling, layout.req_of_row)
             draws = draw_random(layout, draft_token_ids, draft_probs, target_probs,
-                                sampling.generators)
+                                sampling.seeds, sampling.positions)
         is_greedy = sampling.temperature < SAMPLING_EPS  # [R] bool
         return self.verify(layout, draft_token_ids, draft_probs, target_argmax,
                            target_probs, draws, is_greedy, all_random=sampling.all_random)
@@ -207,22 +208,17 @@ def draw_random(
     draft_token_ids: torch.Tensor,  # [D] int64
     draft_probs: torch.Tensor | None,  # [D, V] fp32; None = one-hot q
     target_probs: torch.Tensor,  # [D + R, V] fp32
-    generators: dict[int, torch.Generator],  # request row -> its generator
+    seeds: dict[int, int],  # request row -> its seed
+    positions: np.ndarray | None = None,  # [R] int64: each request's first row's position
 ) -> RandomDraws:
     """Uniforms, recovered tokens and bonus tokens for every request of the step.
 
-    A seeded request's generator makes all of its draws, always in the same order
-    (s_i uniforms, s_i recovered races, one bonus race), so its result depends on its
-    own inputs only, never on the batch. Unseeded requests share the global stream.
+    Unseeded requests share the global stream. A seeded request's draws are keyed by
+    (seed, position) instead (`_seeded_draws`), so its tokens never depend on the batch
+    nor on how many drafts it verifies.
     """
-    cu = layout.cu_host
-    uniforms = torch.empty(layout.num_drafts, dtype=torch.float32,
-                           device=target_probs.device)  # [D]
-    if len(generators) < layout.num_reqs:
-        uniforms.uniform_()
-    for req, generator in generators.items():
-        uniforms[int(cu[req]):int(cu[req + 1])].uniform_(generator=generator)
-
+    uniforms = torch.rand(layout.num_drafts, dtype=torch.float32,
+                          device=target_probs.device)  # [D]
     p_at_drafts = target_probs[layout.draft_rows]  # [D, V]
     if draft_probs is None:
         # q is one-hot at x and p(x) <= 1, so max(p - q, 0) is p with x zeroed.
@@ -234,11 +230,47 @@ def draw_random(
     empty = ~(residual > 0).any(dim=-1, keepdim=True)  # [D, 1]
     residual = torch.where(empty, p_at_drafts, residual)
     # The race is argmax(residual / Exp(1)), invariant to the row's scale: no normalising.
-    draft_generators = {d: generator for req, generator in generators.items()
-                        for d in range(int(cu[req]), int(cu[req + 1]))}
-    recovered = exponential_race(residual, draft_generators)  # [D]
-    bonus = exponential_race(target_probs[layout.bonus_rows], generators)  # [R]
-    return RandomDraws(uniforms=uniforms, recovered_token_ids=recovered, bonus_token_ids=bonus)
+    recovered = exponential_race(residual, {})  # [D]
+    bonus = exponential_race(target_probs[layout.bonus_rows], {})  # [R]
+    draws = RandomDraws(uniforms=uniforms, recovered_token_ids=recovered, bonus_token_ids=bonus)
+    for req, seed in seeds.items():
+        position = 0 if positions is None else int(positions[req])
+        _seeded_draws(draws, layout, req, seed, position, draft_token_ids,
+                      draft_probs, target_probs, residual)
+    return draws
+
+
+def _seeded_draws(draws: RandomDraws, layout: DraftLayout, req: int, seed: int,
+                  position: int, draft_token_ids: torch.Tensor,
+                  draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+                  residual: torch.Tensor) -> None:
+    """Overwrite request `req`'s draws with ones keyed by (seed, position).
+
+    With one-hot q (every drafter here drafts greedily) the draws are coupled to what
+    the sampler would emit: each of the request's rows j races p_j against the noise of
+    position + j, giving y_j. Draft x_j is accepted iff y_j == x_j (probability p(x_j),
+    as the rule asks), and a rejected draft's recovered token is y_j, which is exactly
+    the residual race under the same noise. So every emitted token is y_j: the same
+    token speculation off would sample, whatever was drafted.
+    """
+    first, last = int(layout.cu_host[req]), int(layout.cu_host[req + 1])
+    rows = [first + req + j for j in range(last - first + 1)]  # its s target rows + bonus
+    keys = {i: (seed, position + i) for i in range(len(rows))}
+    if draft_probs is None:
+        raced = exponential_race(target_probs[rows], keys)  # [s + 1]
+        hit = raced[:-1] == draft_token_ids[first:last]
+        draws.uniforms[first:last] = torch.where(hit, 0.0, 1.0)
+        draws.recovered_token_ids[first:last] = raced[:-1]
+    else:
+        for j in range(last - first):
+            gen = torch.Generator(device=target_probs.device)
+            gen.manual_seed(position_seed(seed, position + j) ^ 1)  # its own stream
+            draws.uniforms[first + j] = torch.rand((), generator=gen,
+                                                   device=target_probs.device)
+        draws.recovered_token_ids[first:last] = exponential_race(
+            residual[first:last], {j: keys[j] for j in range(last - first)})
+        raced = exponential_race(target_probs[rows[-1:]], {0: keys[last - first]})
+    draws.bonus_token_ids[req] = raced[-1]
 
 
 def assemble_output(

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
-from runner.sampler import SamplingMetadata, exponential_race, make_generator
+from runner.sampler import SamplingMetadata, exponential_race
 from scheduler.request import SamplingParams
 from spec_decode.rejection_sampler import (
     PLACEHOLDER_TOKEN_ID,
@@ -24,11 +25,11 @@ VOCAB = 8
 NEG_INF = float("-inf")
 
 
-def metadata(temperatures: list[float], generators: dict[int, torch.Generator] | None = None,
+def metadata(temperatures: list[float], seeds: dict[int, int] | None = None,
              device: str = "cpu", **params: float) -> SamplingMetadata:
     return SamplingMetadata.from_sampling_params(
         [SamplingParams(temperature=t, **params) for t in temperatures],  # type: ignore[arg-type]
-        generators, device=device)
+        seeds, device=device)
 
 
 def peaked_logits(argmaxes: list[int], vocab: int = VOCAB) -> torch.Tensor:
@@ -327,11 +328,11 @@ def seeded_batch(row: int, batch: int, seed: int = 1234, others_seeded: bool = F
     logits[mine] = torch.linspace(-1, 1, VOCAB) * torch.arange(1, 5).unsqueeze(1)
     drafts[start:start + 3] = torch.tensor([7, 6, 7])
     probs[start:start + 3] = torch.softmax(torch.linspace(1, -1, VOCAB), dim=-1)
-    generators = {row: make_generator(seed, "cpu")}
+    seeds = {row: seed}
     if others_seeded:
-        generators.update({i: make_generator(i, "cpu") for i in range(batch) if i != row})
+        seeds.update({i: i for i in range(batch) if i != row})
     out = RejectionSampler()(drafts, num_drafts, probs if draft_probs else None, logits,
-                             metadata(temperatures, generators))
+                             metadata(temperatures, seeds))
     return out[row].tolist()[:4]
 
 
@@ -381,11 +382,10 @@ TRITON_CASES = {
 def test_triton_matches_torch_given_the_same_draws(case: str, one_hot: bool) -> None:
     num_drafts = [2, 0, 3, 1]
     drafts, draft_probs, logits = random_batch(num_drafts, 16, seed=3)
-    meta = metadata(TRITON_CASES[case], {2: make_generator(5, "cpu")})
+    meta = metadata(TRITON_CASES[case], {2: 5})
     outs = []
     for sampler in (RejectionSampler(), triton_sampler()):
         torch.manual_seed(0)  # both draw through the same torch code, so draw the same
-        meta.generators[2].manual_seed(5)
         outs.append(sampler(drafts, num_drafts, None if one_hot else draft_probs, logits, meta))
     assert torch.equal(outs[0], outs[1])
 
@@ -436,3 +436,28 @@ def test_triton_on_cuda_matches_torch() -> None:
         assert torch.equal(TritonRejectionSampler().verify(*args), RejectionSampler().verify(*args))
         out = TritonRejectionSampler()(drafts, num_drafts, q, logits, meta)
         assert out.shape == (64, max(num_drafts) + 1) and out.is_cuda
+
+
+def test_seeded_one_hot_verification_emits_what_the_sampler_would() -> None:
+    """With greedy (one-hot) drafts, a seeded request's emitted tokens are the tokens
+    the plain sampler draws at the same (seed, position), whatever was drafted: so a
+    seeded request gives the same text under every method and with speculation off."""
+    from runner.sampler import Sampler
+
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(5, VOCAB, generator=gen) * 0.3  # 4 verify rows + the bonus row
+    position = 40
+    want = []
+    for j in range(5):
+        meta = SamplingMetadata.from_sampling_params(
+            [SamplingParams(temperature=1.0)], {0: 77}, positions=np.array([position + j]))
+        want.append(int(Sampler()(logits[j:j + 1], meta).sampled_token_ids[0]))
+    for drafts in ([want[0], want[1], want[2], want[3]], [want[0], 0, 0, 0],
+                   [(want[0] + 1) % VOCAB] * 4, [want[0], want[1], (want[2] + 1) % VOCAB, 1]):
+        meta = SamplingMetadata.from_sampling_params(
+            [SamplingParams(temperature=1.0)], {0: 77}, positions=np.array([position]))
+        out = RejectionSampler()(torch.tensor(drafts), [4], None, logits, meta)[0].tolist()
+        emitted = [t for t in out if t >= 0]
+        assert emitted == want[:len(emitted)], (drafts, emitted, want)
+        accepted = next((i for i, (d, w) in enumerate(zip(drafts, want)) if d != w), 4)
+        assert len(emitted) == accepted + 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from statistics import NormalDist
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +15,7 @@ from runner.sampler import (
     SamplingMetadata,
     apply_min_p,
     apply_top_k_top_p,
-    make_generator,
+    position_seed,
 )
 from scheduler.request import SamplingParams
 
@@ -22,8 +23,9 @@ VOCAB = 64
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: dict[int, torch.Generator] | None = None) -> SamplerOutput:
-    meta = SamplingMetadata.from_sampling_params(params, generators)
+           seeds: dict[int, int] | None = None, position: int = 0) -> SamplerOutput:
+    positions = np.full(len(params), position, dtype=np.int64)
+    meta = SamplingMetadata.from_sampling_params(params, seeds, positions=positions)
     return Sampler()(logits, meta)
 
 
@@ -110,21 +112,21 @@ SEEDED = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, seed=1234)
 def seeded_run(row: int, batch: int, others_seeded: bool, seed: int = 1234,
                steps: int = 20) -> list[int]:
     """The seeded request's tokens over `steps` steps, at `row` of a batch of `batch`."""
-    generators = {row: make_generator(seed, "cpu")}
+    seeds = {row: seed}
     other_params = []
     for i in range(batch):
         if i == row:
             continue
         other_params.append(SamplingParams(temperature=0.5 + 0.2 * i, top_p=0.8, min_p=0.05))
         if others_seeded:
-            generators[i] = make_generator(seed + 100 + i, "cpu")
+            seeds[i] = seed + 100 + i
     tokens = []
     for step in range(steps):
         own = flat_logits(1, seed=10_000 + step)  # this request's logits at this step
         noise = flat_logits(batch, seed=step + 7 * batch + row)  # the others', batch-dependent
         logits = torch.cat([noise[:row], own, noise[row + 1:]])
         params = [*other_params[:row], SEEDED, *other_params[row:]]
-        tokens.append(int(sample(logits, params, generators).sampled_token_ids[row]))
+        tokens.append(int(sample(logits, params, seeds, position=step).sampled_token_ids[row]))
     return tokens
 
 
@@ -139,6 +141,28 @@ def test_seeded_request_is_independent_of_batch_composition_and_row() -> None:
 
 def test_different_seeds_differ() -> None:
     assert seeded_run(0, 1, False, seed=1) != seeded_run(0, 1, False, seed=2)
+
+
+def test_every_bit_of_the_seed_counts() -> None:
+    """Seeds that differ only above bit 31 (the CPU generator keeps 32 bits of its own
+    seed) or only in sign still give different streams."""
+    assert seeded_run(0, 1, False, seed=5) != seeded_run(0, 1, False, seed=5 + (1 << 32))
+    assert seeded_run(0, 1, False, seed=5) != seeded_run(0, 1, False, seed=5 - (1 << 63))
+    keys = {position_seed(seed, pos) & 0xFFFFFFFF for seed in (5, 5 + (1 << 32), 5 + (1 << 62))
+            for pos in range(100)}
+    assert len(keys) == 300
+
+
+def test_draws_are_keyed_by_position_not_by_how_many_were_drawn() -> None:
+    """The token at position p depends on (seed, p) alone: drawing others first (as a
+    step verifying more drafts does) changes nothing."""
+    logits = flat_logits(1, seed=3)
+    params = [SamplingParams(temperature=1.0, seed=9)]
+    first = [int(sample(logits, params, {0: 9}, position=p).sampled_token_ids[0])
+             for p in range(30)]
+    again = [int(sample(logits, params, {0: 9}, position=p).sampled_token_ids[0])
+             for p in reversed(range(30))][::-1]
+    assert first == again and len(set(first)) > 5
 
 
 # --- filters --------------------------------------------------------------------------
@@ -233,8 +257,8 @@ def test_edge_values_are_no_ops() -> None:
     edge = SamplingParams(temperature=0.9, top_k=VOCAB + 100, top_p=1.0, min_p=0.0)
     active = SamplingParams(temperature=0.9, top_k=3, top_p=0.5, min_p=0.2)
     for step in range(20):
-        gens_a = {i: make_generator(step * 10 + i, "cpu") for i in range(4)}
-        gens_b = {i: make_generator(step * 10 + i, "cpu") for i in range(4)}
+        gens_a = {i: step * 10 + i for i in range(4)}
+        gens_b = {i: step * 10 + i for i in range(4)}
         # Row 4 forces the filter path on for the whole batch; rows 0-3 must not notice.
         want = sample(logits, [plain] * 4 + [plain], gens_a).sampled_token_ids[:4]
         got = sample(logits, [edge] * 4 + [active], gens_b).sampled_token_ids[:4]
