@@ -84,7 +84,7 @@ class ModelRunner:
 
     # ---- KV cache ---------------------------------------------------------------
 
-    def _kv_bytes_per_block(self) -> int:
+    def kv_bytes_per_block(self) -> int:
         cfg = self.model_config
         per_block = kv_bytes_per_block(cfg.num_hidden_layers, cfg.num_key_value_heads,
                                        cfg.head_dim, self.block_size, self.config.torch_dtype)
@@ -93,7 +93,7 @@ class ModelRunner:
     def num_kv_blocks(self) -> int:
         """Blocks the configured KV memory buys (target and drafter caches together);
         the engine hands this number to the scheduler's CacheConfig."""
-        per_block = self._kv_bytes_per_block()
+        per_block = self.kv_bytes_per_block()
         num_blocks = self.config.kv_cache_memory_bytes // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_bytes={self.config.kv_cache_memory_bytes} "
@@ -135,6 +135,16 @@ class ModelRunner:
                 self.spec.add_request(new.req_id, new.prompt_token_ids + new.output_token_ids)
         for cached in out.scheduled_cached_reqs:
             self.states.update(cached)
+
+    def discard(self, out: SchedulerOutput) -> None:
+        """Forget every request a failed step touched: whatever `execute` wrote for them
+        is not to be trusted. They come back, if at all, as new requests."""
+        touched = (set(out.num_scheduled_tokens) | out.finished_req_ids
+                   | out.preempted_req_ids | {new.req_id for new in out.scheduled_new_reqs})
+        for req_id in touched:
+            self.states.remove(req_id)
+            if self.spec:
+                self.spec.remove_request(req_id, False)
 
     def _check_budget(self, out: SchedulerOutput, n: np.ndarray, k: np.ndarray) -> None:
         """Count the rows of every pass this step will build; assert before writing."""

@@ -34,24 +34,46 @@ class SamplingParams:
 
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
                 raise bad(name, "a finite number")
-        if self.max_tokens < 1:
-            raise bad("max_tokens", ">= 1")
+        # Integers are range-checked, never clamped: they end up in int64 arrays, where
+        # an out-of-range value would raise inside an engine step (OverflowError) and
+        # fail every request of that step instead of only this one.
+        _check_int(self, "max_tokens", 1, INT64_MAX)
+        _check_int(self, "top_k", 0, INT64_MAX, " (0 = off)")
+        _check_int(self, "min_tokens", 0, self.max_tokens, " (at most max_tokens)")
+        if self.logprobs is not None:
+            _check_int(self, "logprobs", 0, MAX_LOGPROBS)
+        if self.seed is not None:
+            _check_int(self, "seed", INT64_MIN, INT64_MAX)
         if self.temperature < 0:
             raise bad("temperature", ">= 0")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", "in (0, 1]")
-        if self.top_k < 0:
-            raise bad("top_k", ">= 0 (0 = off)")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", "in [0, 1]")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise bad("min_tokens", f"in [0, max_tokens={self.max_tokens}]")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", ">= 0")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for i, token in enumerate(self.stop_token_ids):
+            if isinstance(token, bool) or not isinstance(token, int) \
+                    or not 0 <= token <= INT64_MAX:
+                raise ValueError(f"SamplingParams.stop_token_ids[{i}] must be an integer in "
+                                 f"[0, {INT64_MAX}], got {token!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "a sequence of non-empty strings")
+
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# The most top logprobs one token may ask for (vLLM's default max_logprobs, OpenAI's cap).
+MAX_LOGPROBS = 20
+
+
+def _check_int(params: SamplingParams, name: str, low: int, high: int, note: str = "") -> None:
+    value = getattr(params, name)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"SamplingParams.{name} must be an integer in [{low}, {high}]"
+                         f"{note}, got {value!r}")
 
 
 class RequestStatus(enum.IntEnum):
@@ -63,6 +85,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # a step that ran it failed, and the fault was traced to it
 
     @property
     def is_finished(self) -> bool:
@@ -73,6 +96,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -108,6 +132,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.stop_token_id: int | None = None
+        # In a step that failed, alongside others: it runs as the only suspect of its
+        # steps until it samples once, so a fault it causes again is traced to it.
+        self.suspect = False
 
     @property
     def num_prompt_tokens(self) -> int:

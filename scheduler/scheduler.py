@@ -97,8 +97,17 @@ class Scheduler:
                 f"num_blocks={self.cache_config.num_blocks}"
             )
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free everything it holds; unknown ids are ignored."""
+    def max_request_blocks(self) -> int:
+        """KV blocks one request may hold at most: max_model_len tokens plus the KV
+        slots its drafter writes ahead (what the pool must hold to serve any request
+        the context length allows)."""
+        return self.kv.blocks_needed(self.config.max_model_len
+                                     + self.rule.lookahead(self.rule.max_k))
+
+    def abort_request(self, request_id: str,
+                      status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Stop a request now and free everything it holds; unknown ids are ignored.
+        `status` FINISHED_ERROR: the engine traced a failed step to this request."""
         request = self.requests.get(request_id)
         if request is None:
             return
@@ -106,7 +115,22 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._finish(request, status)
+
+    def requeue(self, request_id: str, suspect: bool) -> None:
+        """Preempt a request outside a step (its step failed, so its KV and drafts are
+        not to be trusted): recompute it from its known tokens, outputs kept."""
+        request = self.requests[request_id]
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.kv.free(request, finished=False)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            request.spec_token_ids = []
+            request.num_preemptions += 1
+            self.stats.num_preemptions += 1
+            self.waiting.readd_preempted(request)
+        request.suspect = suspect
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
@@ -190,10 +214,18 @@ class Scheduler:
         preempted.add(request.request_id)
 
     def _schedule_waiting(self, budget: StepBudget) -> list[Request]:
-        """Admit from the head of the queue until one does not fit (no skipping)."""
+        """Admit from the head of the queue until one does not fit (no skipping).
+
+        At most one suspect (`Request.suspect`) runs per step, so a step that fails
+        again is traced to it; a second suspect waits, and so does everyone behind it.
+        """
         admitted = []
+        suspect_in_step = any(self.requests[rid].suspect for rid in budget.charges)
         while len(self.waiting) and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if request.suspect and suspect_in_step:
+                break
+            suspect_in_step |= request.suspect
             prefix = self.kv.find_prefix(request)
             num_cached = len(prefix) * self.kv.block_size
             plan = plan_chunk(self.rule, budget.remaining, self._view(request, num_cached),
@@ -289,6 +321,7 @@ class Scheduler:
             if request is None:
                 continue  # aborted after it was scheduled
             sampled = runner_output.sampled_token_ids[index[rid]]
+            request.suspect = request.suspect and not sampled  # cleared by a whole step
             verified = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
             self._roll_back_rejected(request, sampled, verified)
             status = self._append_tokens(request, sampled)

@@ -147,6 +147,17 @@ def test_from_dict_validates_like_the_constructor() -> None:
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
     ({"logprobs": -1}, "logprobs"),
+    # 64-bit edges: each used to overflow an int64 array inside an engine step.
+    ({"top_k": 1 << 63}, "top_k"),
+    ({"max_tokens": 1 << 63}, "max_tokens"),
+    ({"seed": 1 << 63}, "seed"),
+    ({"seed": -(1 << 63) - 1}, "seed"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"max_tokens": 4.0}, "max_tokens"),
+    ({"top_k": True}, "top_k"),
+    ({"stop_token_ids": [1 << 63]}, r"stop_token_ids\[0\]"),
+    ({"stop_token_ids": [-1]}, r"stop_token_ids\[0\]"),
+    ({"stop": [""]}, "stop"),
 ])
 def test_sampling_params_rejects_bad_values(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be"):
@@ -159,6 +170,27 @@ def test_sampling_params_accepts_edges_and_normalises_sequences() -> None:
     assert params.stop_token_ids == (3, 4)
     assert params.stop == ("x",)
     hash(params)  # hashable once the lists became tuples
+    top = SamplingParams(max_tokens=(1 << 63) - 1, top_k=(1 << 63) - 1, seed=-(1 << 63),
+                         logprobs=20)
+    assert top.top_k == (1 << 63) - 1
+
+
+def test_top_k_at_the_int64_edge_runs_in_the_runner() -> None:
+    """The largest top_k the params accept fits the runner's int64 arrays and filters
+    nothing (it is larger than any vocabulary)."""
+    import numpy as np
+
+    from runner.sampler import Sampler, SamplingMetadata
+
+    params = SamplingParams(temperature=1.0, top_k=(1 << 63) - 1, seed=3)
+    meta = SamplingMetadata.from_arrays(
+        temperature=np.array([1.0], np.float32), top_p=np.array([1.0], np.float32),
+        top_k=np.array([params.top_k], np.int64), min_p=np.array([0.0], np.float32),
+        seeds={}, max_num_logprobs=None)
+    import torch
+
+    out = Sampler()(torch.zeros(1, 8), meta)
+    assert 0 <= int(out.sampled_token_ids[0]) < 8
 
 
 # ---- frozen -------------------------------------------------------------------------
