@@ -30,6 +30,15 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped after a fault; no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """A step failed and the engine traced the fault to this request (engine/core.py);
+    the engine itself goes on serving."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The server is shutting down and stopped waiting for this request."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -93,6 +102,17 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def fail_all(self, error: BaseException) -> int:
+        """End every request in flight with `error` and abort it in the engine (a
+        shutdown that stops waiting); returns how many there were."""
+        with self._wake:
+            streams, self._streams = self._streams, {}
+            self._aborts.extend(streams)
+            self._wake.notify()
+        for stream in streams.values():
+            self._deliver_to(stream, error)
+        return len(streams)
+
     def abort(self, request_id: str) -> None:
         with self._wake:
             self._streams.pop(request_id, None)
@@ -116,12 +136,12 @@ class AsyncEngine:
             delta = self.processor.abort(request_id)
             if delta is not None:
                 aborted.append(delta)
-        if aborted:  # metrics count aborts as finished requests, like vLLM
-            for hook in self.on_step:
-                hook(self.core, aborted, {})
         for request, params in adds:
             if request.request_id not in self._streams:
-                continue  # its client left before it started
+                # Its client left before the engine picked it up: an abort all the same.
+                aborted.append(RequestDelta(request.request_id, [], "", True, "abort",
+                                            request.num_prompt_tokens, 0))
+                continue
             try:
                 self.core.add_request(request)
                 self.processor.add(request.request_id, request.num_prompt_tokens, params)
@@ -129,6 +149,9 @@ class AsyncEngine:
                 with self._wake:
                     self._deliver(request.request_id, err)
                     self._streams.pop(request.request_id, None)
+        if aborted:  # metrics count aborts as finished requests, like vLLM
+            for hook in self.on_step:
+                hook(self.core, aborted, {})
 
     def _run(self) -> None:
         last_log = time.monotonic()
@@ -168,7 +191,9 @@ class AsyncEngine:
             hook(self.core, deltas, latency)
         with self._wake:
             for delta in deltas:
-                self._deliver(delta.request_id, delta)
+                failed = delta.error is not None
+                self._deliver(delta.request_id,
+                              RequestFailedError(delta.error) if failed else delta)
                 if delta.finished:
                     self._streams.pop(delta.request_id, None)
 

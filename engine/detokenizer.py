@@ -31,9 +31,19 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def push(self, new_ids: list[int]) -> bool:
-        """Add tokens; True when a stop string was found (text is cut before it)."""
-        self.token_ids.extend(new_ids)
+    def push(self, new_ids: list[int]) -> int | None:
+        """Add tokens one at a time. None while no stop string is found; else how many
+        of `new_ids` were taken: the stop string ended with the last of them, the text
+        is cut before it and the later tokens are dropped (a verification step can
+        emit several tokens past a stop string; speculation off would never have made
+        them, so usage and logprobs must not count them either)."""
+        for taken, token_id in enumerate(new_ids, start=1):
+            if self._push_one(token_id):
+                return taken
+        return None
+
+    def _push_one(self, token_id: int) -> bool:
+        self.token_ids.append(token_id)
         prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
         full = self._decode(self.token_ids[self._prefix_offset:])
         if full.endswith(REPLACEMENT):

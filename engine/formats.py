@@ -220,8 +220,10 @@ class ChatFormat(Format):
         return ChatLogprobs(content=content)
 
     def _top(self, token_id: int, logprob: float) -> TopLogprob:
-        text = self.token_text(token_id)
-        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+        # The token's own bytes: a byte-level token holding part of a character (an
+        # emoji is three of them) decodes to U+FFFD, but its bytes joined rebuild it.
+        return TopLogprob(token=self.token_text(token_id), logprob=logprob,
+                          bytes=list(self.server.engine.tokenizer.token_bytes(token_id)))
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None
                ) -> dict[str, Any]:

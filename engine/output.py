@@ -25,6 +25,7 @@ class RequestDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     logprobs: list[Logprobs] = field(default_factory=list)
+    error: str | None = None  # finish_reason "error": what failed
 
 
 @dataclass
@@ -89,9 +90,13 @@ class OutputProcessor:
                         update.new_token_ids)
                 tracked.last_token = now
             finished, reason = update.finished, update.finish_reason
-            if tracked.detok.push(update.new_token_ids) and not finished:
+            new_ids, logprobs = update.new_token_ids, update.logprobs
+            taken = tracked.detok.push(new_ids)
+            if taken is not None:  # a stop string: it wins, as it would token by token
+                if not finished:
+                    to_abort.append(update.request_id)
                 finished, reason = True, "stop"
-                to_abort.append(update.request_id)
+                new_ids, logprobs = new_ids[:taken], logprobs[:taken]
             if finished:
                 sample.e2e = now - tracked.arrival
                 num_output = len(tracked.detok.token_ids)
@@ -100,7 +105,7 @@ class OutputProcessor:
                 del self._reqs[update.request_id]
             latency[update.request_id] = sample
             deltas.append(RequestDelta(
-                update.request_id, update.new_token_ids, tracked.detok.take(final=finished),
+                update.request_id, new_ids, tracked.detok.take(final=finished),
                 finished, reason, tracked.num_prompt_tokens, len(tracked.detok.token_ids),
-                update.logprobs))
+                logprobs, update.error))
         return deltas, to_abort, latency

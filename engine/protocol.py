@@ -12,9 +12,11 @@ whose `param` names the field and whose message names the limit):
   (`echo`, `suffix`, `best_of` > n, `logit_bias`, penalties, tools, JSON mode).
 - `model` may be omitted (the served model); any other name answers 404
   `model_not_found`, as OpenAI and vLLM do.
-- A prompt of >= `max_model_len` tokens is refused. `max_tokens` is clamped to the room
-  the prompt leaves (`max_model_len - prompt tokens`), as vLLM does; omitted, it is 16
-  for completions (OpenAI's default) and that room for chat.
+- A prompt of >= `max_model_len` tokens is refused, and so is a `max_tokens` larger
+  than the room the prompt leaves (`max_model_len - prompt tokens`), naming the
+  context length, the prompt tokens and the requested tokens, as vLLM and OpenAI do.
+  Omitted, `max_tokens` is 16 for completions (OpenAI's default, clamped to the room)
+  and the whole room for chat.
 - Ranges: temperature [0, 2], top_p (0, 1], top_k -1 or 0 (off) or >= 1, min_p [0, 1],
   n [1, MAX_N], logprobs / top_logprobs [0, MAX_LOGPROBS], at most MAX_STOP stop
   strings (non-empty), seed a 64-bit signed integer, token ids in [0, vocab_size).
@@ -32,17 +34,20 @@ from typing import Annotated, Any
 from pydantic import (
     BaseModel,
     BeforeValidator,
+    Field,
     StrictBool,
     StrictInt,
     StrictStr,
     ValidationError,
+    WithJsonSchema,
 )
 
+from scheduler.request import INT64_MAX, INT64_MIN, MAX_LOGPROBS
+
 MAX_N = 16
-MAX_LOGPROBS = 20
 MAX_STOP = 16
 MAX_TEMPERATURE = 2.0
-INT64 = (-(1 << 63), (1 << 63) - 1)
+INT64 = (INT64_MIN, INT64_MAX)
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
@@ -71,9 +76,50 @@ def _finite_number(value: Any) -> float:
 
 
 Number = Annotated[float, BeforeValidator(_finite_number)]
+# Every integer field is a JSON integer within int64: a larger one is refused with the
+# limit named, never carried into the engine's int64 arrays (where it would overflow).
+Int64 = Annotated[StrictInt, Field(ge=INT64[0], le=INT64[1])]
+
+
+def _documented(**bounds: float) -> Any:
+    """The range `check_sampling` enforces (with its own messages), stated in the
+    published JSON schema too, so clients and schema-driven fuzzers see it."""
+    return Field(json_schema_extra=dict(bounds))
 
 
 # ---- requests ---------------------------------------------------------------------
+
+
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+_PROMPT_SCHEMA: dict[str, Any] = {"anyOf": [
+    {"type": "string"}, _TOKEN_IDS,
+    {"type": "array", "items": {"anyOf": [{"type": "string"}, _TOKEN_IDS]},
+     "minItems": 1, "maxItems": 1}]}
+_TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"const": "text"}, "text": {"type": "string"}}}
+_MESSAGES_SCHEMA: dict[str, Any] = {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["role", "content"], "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}}}}
+
+
+def request_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The model's JSON schema with its `$defs` inlined: self-contained, so it can
+    stand in an OpenAPI document's requestBody as is."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(item) for item in node]
+        return node
+
+    return dict(inline(schema))
 
 
 class StreamOptions(BaseModel):
@@ -84,19 +130,19 @@ class _SamplingFields(BaseModel):
     """Fields both endpoints share; unknown fields are ignored (pydantic's default)."""
 
     model: StrictStr | None = None
-    max_tokens: StrictInt | None = None
-    temperature: Number | None = None
-    top_p: Number | None = None
-    top_k: StrictInt | None = None  # extension: -1 or 0 = off
-    min_p: Number | None = None  # extension
-    n: StrictInt = 1
+    max_tokens: Annotated[Int64 | None, _documented(minimum=1)] = None
+    temperature: Annotated[Number | None, _documented(minimum=0, maximum=MAX_TEMPERATURE)] = None
+    top_p: Annotated[Number | None, _documented(exclusiveMinimum=0, maximum=1)] = None
+    top_k: Annotated[Int64 | None, _documented(minimum=-1)] = None  # extension: -1, 0 = off
+    min_p: Annotated[Number | None, _documented(minimum=0, maximum=1)] = None  # extension
+    n: Annotated[Int64, _documented(minimum=1, maximum=MAX_N)] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None  # extension
-    seed: StrictInt | None = None
+    stop_token_ids: list[Int64] | None = None  # extension
+    seed: Int64 | None = None
     ignore_eos: StrictBool = False  # extension
-    priority: StrictInt = 0  # extension: lower is served first under policy="priority"
+    priority: Int64 = 0  # extension: lower is served first under policy="priority"
     logit_bias: dict[str, Any] | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
@@ -106,20 +152,21 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: Any = None  # str, [str], [int], or [[int]]: checked by `prompt_input`
-    logprobs: StrictInt | None = None
+    # Checked by `prompt_input`; the schema says what is accepted (and what fuzzers send).
+    prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)] = None
+    logprobs: Annotated[Int64 | None, _documented(minimum=0, maximum=MAX_LOGPROBS)] = None
     echo: StrictBool = False
     suffix: StrictStr | None = None
-    best_of: StrictInt | None = None
+    best_of: Int64 | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: Any = None  # checked by `chat_messages`
-    max_completion_tokens: StrictInt | None = None
+    messages: Annotated[Any, WithJsonSchema(_MESSAGES_SCHEMA)] = None  # `chat_messages`
+    max_completion_tokens: Annotated[Int64 | None, _documented(minimum=1)] = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Annotated[Int64 | None, _documented(minimum=0, maximum=MAX_LOGPROBS)] = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -134,31 +181,58 @@ class _NonFinite:
         self.literal = literal
 
 
-def _find_non_finite(value: Any, path: str) -> tuple[str, str] | None:
-    if isinstance(value, _NonFinite):
-        return path, value.literal
-    items = (value.items() if isinstance(value, dict)
-             else enumerate(value) if isinstance(value, list) else ())
-    for key, item in items:
-        found = _find_non_finite(item, f"{path}.{key}" if path else str(key))
-        if found:
-            return found
+MAX_JSON_DEPTH = 32  # no field nests deeper than a few levels; deeper is refused
+
+
+def _bad_string(text: str) -> bool:
+    """A lone surrogate (JSON allows "\\ud800"; UTF-8 and the tokenizer do not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _find_bad_value(data: Any) -> tuple[str, str] | None:
+    """The first value no field may hold, as (path, why): a NaN / Infinity literal, a
+    string with a lone surrogate, or nesting past MAX_JSON_DEPTH. Iterative, so a
+    deeply nested body cannot exhaust the stack."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, _NonFinite):
+            return path, f"{value.literal} is not valid JSON (numbers must be finite)"
+        if isinstance(value, str) and _bad_string(value):
+            return path, "the string holds a lone UTF-16 surrogate (not valid Unicode)"
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            return path, f"JSON nested deeper than {MAX_JSON_DEPTH} levels"
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            where = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and _bad_string(key):
+                return path or "body", "a key holds a lone UTF-16 surrogate"
+            stack.append((item, where, depth + 1))
     return None
 
 
 def parse_body(raw: bytes, model: type[CompletionRequest] | type[ChatCompletionRequest]
                ) -> Any:
-    """Strict JSON (no NaN / Infinity literals), then the pydantic model."""
+    """Strict JSON (no NaN / Infinity literals, valid Unicode, bounded nesting), then
+    the pydantic model."""
     try:
         data = json.loads(raw, parse_constant=_NonFinite)
     except ValueError as err:  # UnicodeDecodeError included
         raise APIError(f"Invalid JSON body: {err}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(f"Invalid JSON body: nested deeper than {MAX_JSON_DEPTH} levels",
+                       code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError("The request body must be a JSON object", code="invalid_json")
-    found = _find_non_finite(data, "")
+    found = _find_bad_value(data)
     if found:
-        raise APIError(f"{found[0]}: {found[1]} is not valid JSON (numbers must be finite)",
-                       param=found[0], code="invalid_json")
+        raise APIError(f"{found[0]}: {found[1]}", param=found[0], code="invalid_json")
     try:
         return model.model_validate(data)
     except ValidationError as err:
@@ -223,8 +297,6 @@ def check_sampling(req: _SamplingFields, limits: ServingLimits,
     if req.min_p is not None:
         _range(0 <= req.min_p <= 1, "min_p", "in [0, 1]", req.min_p)
     _range(1 <= req.n <= MAX_N, "n", f"in [1, {MAX_N}]", req.n)
-    if req.seed is not None:
-        _range(INT64[0] <= req.seed <= INT64[1], "seed", "a 64-bit signed integer", req.seed)
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true",
                        param="stream_options")
@@ -310,6 +382,10 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
             raise APIError(f"{where} must be an object", param=where)
         role = msg.get("role")
         _range(role in _ROLES, f"{where}.role", f"one of {list(_ROLES)}", role)
+        # As OpenAI: only an assistant turn may omit its content (it carried tool calls).
+        if msg.get("content") is None and role != "assistant":
+            raise APIError(f"{where}.content is required for a {role!r} message",
+                           param=f"{where}.content", code="missing_required_parameter")
         out.append({"role": role, "content": _message_text(msg.get("content"), where)})
     return out
 
@@ -333,15 +409,25 @@ def _message_text(content: Any, where: str) -> str:
 
 
 def effective_max_tokens(requested: int | None, default: int | None, num_prompt: int,
-                         limits: ServingLimits, param: str) -> int:
-    """Refuse a prompt that fills the context; clamp max_tokens to the room left."""
-    if num_prompt >= limits.max_model_len:
+                         limits: ServingLimits, prompt_param: str,
+                         max_tokens_param: str = "max_tokens") -> int:
+    """Refuse a prompt that fills the context, and a requested max_tokens that does not
+    fit beside the prompt (as vLLM and OpenAI do: 400 naming all three numbers). An
+    omitted max_tokens takes `default` clamped to the room left, or all of it."""
+    max_len = limits.max_model_len
+    if num_prompt >= max_len:
         raise APIError(
-            f"{param}: this model's maximum context length is {limits.max_model_len} "
-            f"tokens; the prompt has {num_prompt} (it must be < {limits.max_model_len})",
-            param=param, code="context_length_exceeded")
-    room = limits.max_model_len - num_prompt
-    wanted = requested if requested is not None else default
-    return room if wanted is None else min(wanted, room)
-
-
+            f"{prompt_param}: this model's maximum context length is {max_len} "
+            f"tokens; the prompt has {num_prompt} (it must be < {max_len})",
+            param=prompt_param, code="context_length_exceeded")
+    room = max_len - num_prompt
+    if requested is not None and requested > room:
+        raise APIError(
+            f"This model's maximum context length is {max_len} tokens. However, you "
+            f"requested {num_prompt + requested} tokens ({num_prompt} in the "
+            f"{prompt_param}, {requested} in the completion). Please reduce the length "
+            f"of the {prompt_param} or {max_tokens_param} (at most {room} here).",
+            param=max_tokens_param, code="context_length_exceeded")
+    if requested is not None:
+        return requested
+    return room if default is None else min(default, room)

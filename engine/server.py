@@ -30,7 +30,12 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine import protocol as P
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineShutdownError,
+    RequestFailedError,
+)
 from engine.formats import (
     ChatFormat,
     ChoiceState,
@@ -131,12 +136,24 @@ class _EventStream(StreamingResponse):
                 await aclose()
 
 
+def _too_large(size: int, limit: int) -> P.APIError:
+    return P.APIError(f"Request body of {size} bytes or more exceeds the server's limit of "
+                      f"{limit} bytes (--max-request-body-bytes)", status=413,
+                      code="request_too_large")
+
+
 def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
 def _engine_error(err: Exception) -> P.APIError:
     """An engine-side failure as the error the client sees."""
+    if isinstance(err, RequestFailedError):
+        return P.APIError(f"The request failed: {err}", status=500, code="request_failed",
+                          type="server_error")
+    if isinstance(err, EngineShutdownError):
+        return P.APIError(str(err), status=503, code="server_shutting_down",
+                          type="server_error")
     if isinstance(err, EngineDeadError):
         return P.APIError(f"The engine failed and cannot serve requests: {err}", status=500,
                           code="engine_dead", type="server_error")
@@ -152,9 +169,10 @@ def _error_response(err: P.APIError) -> JSONResponse:
 class _OpenAIServer:
     """Turns validated requests into engine requests and engine deltas into responses."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, max_body_bytes: int) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.max_body_bytes = max_body_bytes
         self.limits = P.ServingLimits(model_name, engine.config.max_model_len,
                                       engine.tokenizer.vocab_size)
 
@@ -177,13 +195,26 @@ class _OpenAIServer:
         return Job(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, req.priority,
                     req.stream, include_usage)
 
+    def _encode(self, text: str, param: str) -> list[int]:
+        """Token ids of a prompt; one that cannot fit the context is refused before
+        tokenising (no token covers more than a known number of bytes), so a huge
+        prompt costs neither seconds of CPU nor the tokenizer's memory."""
+        tokenizer, max_len = self.engine.tokenizer, self.limits.max_model_len
+        at_least = tokenizer.min_num_tokens(text)
+        if at_least >= max_len:
+            raise P.APIError(
+                f"{param}: this model's maximum context length is {max_len} tokens; the "
+                f"prompt has at least {at_least} (it must be < {max_len})", param=param,
+                code="context_length_exceeded")
+        return tokenizer.encode(text)
+
     def completion_job(self, raw: bytes) -> tuple[Job, Format]:
         req = P.parse_body(raw, P.CompletionRequest)
         P.check_model(req, self.limits)
         P.check_sampling(req, self.limits)
         P.check_completion_extras(req)
         prompt = P.prompt_input(req.prompt, self.limits)
-        ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        ids = self._encode(prompt, "prompt") if isinstance(prompt, str) else prompt
         if not ids:
             raise P.APIError("prompt encodes to no tokens", param="prompt")
         max_tokens = P.effective_max_tokens(req.max_tokens, P.DEFAULT_COMPLETION_MAX_TOKENS,
@@ -203,14 +234,31 @@ class _OpenAIServer:
         except Exception as err:  # the template's raise_exception, e.g. bad role order
             raise P.APIError(f"messages: the chat template refused them: {err}",
                              param="messages") from None
-        ids = self.engine.tokenizer.encode(text)
-        requested = req.max_completion_tokens or req.max_tokens
-        max_tokens = P.effective_max_tokens(requested, None, len(ids), self.limits, "messages")
+        ids = self._encode(text, "messages")
+        requested = (req.max_completion_tokens if req.max_completion_tokens is not None
+                     else req.max_tokens)
+        max_tokens = P.effective_max_tokens(requested, None, len(ids), self.limits, "messages",
+                                            param)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         job = self._job("chatcmpl", req, ids, max_tokens, num_logprobs)
         return job, ChatFormat(self, job, num_logprobs)
 
     # ---- serving ------------------------------------------------------------------
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 once it passes the limit: from Content-Length
+        before reading anything, else as the chunks arrive (never held whole)."""
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(int(declared), limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def serve(self, request: Request,
                     make_job: Callable[[bytes], tuple[Job, Format]]) -> Response:
@@ -218,7 +266,10 @@ class _OpenAIServer:
             return _error_response(P.APIError(
                 "The engine is not running (it stopped after a fault)", status=503,
                 code="engine_dead", type="server_error"))
-        job, fmt = make_job(await request.body())
+        raw = await self.read_body(request)
+        # Parsing and tokenising a long prompt takes seconds: on a worker thread (the
+        # tokenizer releases the GIL), so /health and every stream keep flowing.
+        job, fmt = await asyncio.to_thread(make_job, raw)
         choices = _Choices(self.engine, job)
         handed_over = False
         try:
@@ -230,7 +281,7 @@ class _OpenAIServer:
                 return _EventStream(self._events(job, fmt, choices, first), choices.close)
             body = await _until_disconnected(request, self._collect(job, fmt, choices, first))
             return JSONResponse(body)
-        except (ValueError, EngineDeadError) as err:
+        except (ValueError, EngineDeadError, EngineShutdownError, RequestFailedError) as err:
             return _error_response(_engine_error(err))
         except _ClientGone:
             return Response(status_code=499)
@@ -287,11 +338,15 @@ def wire_engine_metrics(engine: AsyncEngine, registry: CollectorRegistry,
     return unwire
 
 
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: far past any prompt max_model_len allows
+
+
 def build_app(engine: AsyncEngine, served_model_name: str,
-              registry: CollectorRegistry | None = None) -> FastAPI:
+              registry: CollectorRegistry | None = None,
+              max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The OpenAI-compatible app over `engine`; see the module docstring."""
     registry = registry if registry is not None else CollectorRegistry()
-    server = _OpenAIServer(engine, served_model_name)
+    server = _OpenAIServer(engine, served_model_name, max_request_body_bytes)
     unwire = wire_engine_metrics(engine, registry, served_model_name)
 
     @asynccontextmanager
@@ -306,11 +361,13 @@ def build_app(engine: AsyncEngine, served_model_name: str,
     app.state.registry = registry
     _add_error_handlers(app)
 
-    @app.post("/v1/completions")
+    # The handlers read the raw body (strict JSON first), so the request models are
+    # declared to OpenAPI by hand: clients and fuzzers see what is accepted.
+    @app.post("/v1/completions", openapi_extra=_body_schema(P.CompletionRequest))
     async def completions(request: Request) -> Response:
         return await server.serve(request, server.completion_job)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(P.ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await server.serve(request, server.chat_job)
 
@@ -331,6 +388,12 @@ def build_app(engine: AsyncEngine, served_model_name: str,
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _body_schema(model: type[P.CompletionRequest] | type[P.ChatCompletionRequest]
+                 ) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": P.request_schema(model)}}}}
 
 
 def _add_error_handlers(app: FastAPI) -> None:

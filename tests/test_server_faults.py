@@ -21,7 +21,7 @@ from scheduler import SamplingParams
 from tests.server_helpers import MODEL_NAME, SPEC, ServerThread, default_model, make_engine, serve
 
 MAX_MODEL_LEN = 512
-NUM_KV_BLOCKS = 24  # 384 token slots: a request with max_tokens 450 can never fit
+NUM_KV_BLOCKS = 40  # 640 token slots: one max_model_len request and then some
 PROMPT = "The capital of France is"
 LONG_RUN = {"prompt": PROMPT, "max_tokens": 300, "temperature": 0, "ignore_eos": True}
 
@@ -81,7 +81,36 @@ INVALID: list[tuple[str, str, bytes, str | None, str, int]] = [
     ("stop-empty-string", C, cmpl(stop=""), "stop", "non-empty", 400),
     ("stop-token-id-past-vocab", C, cmpl(stop_token_ids=[99999]), "stop_token_ids.0", "49152",
      400),
-    ("seed-past-int64", C, cmpl(seed=2 ** 64), "seed", "64-bit", 400),
+    ("seed-past-int64", C, cmpl(seed=2 ** 64), "seed", str(2 ** 63 - 1), 400),
+    ("seed-below-int64", C, cmpl(seed=-(2 ** 63) - 1), "seed", str(-(2 ** 63)), 400),
+    # Each of these used to pass validation and then overflow an int64 in the engine.
+    ("top-k-past-int64", C, cmpl(top_k=2 ** 63), "top_k", str(2 ** 63 - 1), 400),
+    ("max-tokens-past-int64", C, cmpl(max_tokens=2 ** 63), "max_tokens", str(2 ** 63 - 1),
+     400),
+    ("priority-past-int64", C, cmpl(priority=2 ** 64), "priority", str(2 ** 63 - 1), 400),
+    ("n-past-int64", C, cmpl(n=2 ** 70), "n", str(2 ** 63 - 1), 400),
+    ("stop-token-id-past-int64", C, cmpl(stop_token_ids=[2 ** 63]), "stop_token_ids.0",
+     str(2 ** 63 - 1), 400),
+    ("logprobs-past-int64", C, cmpl(logprobs=2 ** 64), "logprobs", str(2 ** 63 - 1), 400),
+    # More tokens than the context has room for: 400 naming all three numbers.
+    ("max-tokens-past-context", C, cmpl(max_tokens=10 ** 12), "max_tokens",
+     f"maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
+     f"{5 + 10 ** 12} tokens (5 in the prompt, {10 ** 12} in the completion)", 400),
+    ("max-tokens-one-past-context", C, cmpl(prompt=[5] * 500, max_tokens=13), "max_tokens",
+     "at most 12", 400),
+    ("chat-max-completion-tokens-past-context", H, chat(max_completion_tokens=10 ** 6),
+     "max_completion_tokens", "maximum context length", 400),
+    # Input that used to give 500.
+    ("lone-surrogate-prompt", C, b'{"prompt": "hi \\ud800 there"}', "prompt", "surrogate",
+     400),
+    ("lone-surrogate-chat", H, b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+     "messages.0.content", "surrogate", 400),
+    ("lone-surrogate-stop", C, b'{"prompt": "hi", "stop": ["\\ud800"]}', "stop.0",
+     "surrogate", 400),
+    ("nested-10000-deep", C, b'{"prompt": "hi", "x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+     None, "nested deeper", 400),
+    ("nested-100-deep", C, b'{"prompt": "hi", "x": ' + b"[" * 100 + b"]" * 100 + b"}",
+     "x" + ".0" * 31, "nested deeper", 400),
     ("stream-options-without-stream", C, cmpl(stream_options={"include_usage": True}),
      "stream_options", "stream", 400),
     ("stream-not-bool", C, cmpl(stream="yes"), "stream", "boolean", 400),
@@ -96,6 +125,10 @@ INVALID: list[tuple[str, str, bytes, str | None, str, int]] = [
     ("chat-empty-messages", H, chat(messages=[]), "messages", "non-empty", 400),
     ("chat-bad-role", H, chat(messages=[{"role": "wizard", "content": "hi"}]),
      "messages.0.role", "user", 400),
+    ("chat-user-without-content", H, chat(messages=[{"role": "user"}]),
+     "messages.0.content", "required", 400),
+    ("chat-user-null-content", H, chat(messages=[{"role": "user", "content": None}]),
+     "messages.0.content", "required", 400),
     ("chat-content-number", H, chat(messages=[{"role": "user", "content": 5}]),
      "messages.0.content", "string", 400),
     ("chat-image-part", H, chat(messages=[{"role": "user", "content": [
@@ -207,13 +240,44 @@ def test_routing_errors_are_json(http: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_request_too_big_for_kv_cache_is_400(http: httpx.Client, engine: AsyncEngine,
-                                             stream: bool) -> None:
-    response = http.post(C, json={"prompt": PROMPT, "max_tokens": 450, "stream": stream})
+def test_max_tokens_past_the_context_is_400_streamed_or_not(http: httpx.Client,
+                                                            engine: AsyncEngine,
+                                                            stream: bool) -> None:
+    response = http.post(C, json={"prompt": PROMPT, "max_tokens": 508, "stream": stream})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["code"] == "kv_cache_too_small" and "num_blocks=24" in error["message"]
+    assert error["code"] == "context_length_exceeded" and "at most 507" in error["message"]
+    ok = http.post(C, json={"prompt": PROMPT, "max_tokens": 2, "stream": stream})
+    assert ok.status_code == 200
     assert wait_until(lambda: engine_idle(engine))
+
+
+def test_keep_alive_connection_survives_bad_input(server: ServerThread) -> None:
+    """A 400 for a lone surrogate or a 10,000-deep body leaves the same keep-alive
+    connection serving the next request (HTTP/1.1 over one raw socket)."""
+    import socket
+
+    def request(body: bytes) -> bytes:
+        head = (f"POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        sock.sendall(head + body)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536)
+        header, rest = data.split(b"\r\n\r\n", 1)
+        length = int(next(line.split(b":")[1] for line in header.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        while len(rest) < length:
+            rest += sock.recv(65536)
+        return header.split(b"\r\n")[0] + b" " + rest
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        assert request(b'{"prompt": "\\ud800"}').startswith(b"HTTP/1.1 400")
+        deep = b'{"prompt": "hi", "x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+        assert request(deep).startswith(b"HTTP/1.1 400")
+        reply = request(json.dumps({"prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+                                   ).encode())
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
 
 
 def test_still_serves_after_invalid_requests(http: httpx.Client, engine: AsyncEngine) -> None:

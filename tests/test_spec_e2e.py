@@ -43,8 +43,8 @@ def run(model: LlamaForCausalLM, method: str | None, prompts: list[str],
         **kwargs: Any) -> tuple[list[list[int]], dict[str, Any]]:
     spec = {"method": method, "num_speculative_tokens": K} if method else None
     kwargs.setdefault("max_num_batched_tokens", 64)
-    llm = LLM(loaded_model=model, speculative_config=spec, max_model_len=256,
-              max_num_seqs=16, **kwargs)
+    kwargs.setdefault("max_model_len", 256)
+    llm = LLM(loaded_model=model, speculative_config=spec, max_num_seqs=16, **kwargs)
     outs = llm.generate(prompts, PARAMS)
     assert llm.engine.scheduler.kv_cache_usage() == 0.0
     return [o.outputs[0].token_ids for o in outs], llm.get_metrics()
@@ -79,7 +79,8 @@ def test_greedy_lossless(model: LlamaForCausalLM, method: str | None,
 @pytest.mark.parametrize("method", [None, *METHODS])
 def test_greedy_lossless_under_preemption(model: LlamaForCausalLM, method: str | None) -> None:
     """A KV pool far too small for 8 requests at once: preemption must occur."""
-    tokens, metrics = run(model, method, PROMPTS[:8], num_kv_blocks=10)
+    tokens, metrics = run(model, method, PROMPTS[:8], num_kv_blocks=10,
+                             max_model_len=128)
     assert metrics["num_preemptions"] > 0
     assert tokens == baseline(model, 16)[:8]
 
@@ -113,9 +114,11 @@ def test_metrics_count_drafts_and_acceptance(model: LlamaForCausalLM) -> None:
 
 
 def test_drafter_buffers_bounded_and_target_buffers_unchanged(model: LlamaForCausalLM) -> None:
-    off = LLM(loaded_model=model, max_num_batched_tokens=64, num_kv_blocks=8).engine.runner
+    off = LLM(loaded_model=model, max_num_batched_tokens=64, num_kv_blocks=8,
+              max_model_len=96).engine.runner
     for method in METHODS:
         runner = LLM(loaded_model=model, max_num_batched_tokens=64, num_kv_blocks=8,
+                     max_model_len=96,
                      speculative_config={"method": method, "num_speculative_tokens": 4}
                      ).engine.runner
         assert runner.persistent_buffer_bytes == off.persistent_buffer_bytes
@@ -154,7 +157,7 @@ def test_head_weights_load_from_safetensors(model: LlamaForCausalLM, tmp_path: A
     path = tmp_path / "head.safetensors"
     save_file({name: p.detach().contiguous() for name, p in head.named_parameters()},
               str(path))
-    llm = LLM(loaded_model=model, num_kv_blocks=8, speculative_config={
+    llm = LLM(loaded_model=model, num_kv_blocks=8, max_model_len=96, speculative_config={
         "method": "eagle", "num_speculative_tokens": 2, "model": str(path)})
     loaded = llm.engine.runner.spec.drafter.net  # type: ignore[union-attr]
     for (name, want), (_, got) in zip(head.named_parameters(), loaded.named_parameters(),
@@ -162,7 +165,7 @@ def test_head_weights_load_from_safetensors(model: LlamaForCausalLM, tmp_path: A
         assert torch.equal(want, got), name
     save_file({"fc.weight": torch.zeros(1)}, str(tmp_path / "bad.safetensors"))
     with pytest.raises(ValueError, match="do not match"):
-        LLM(loaded_model=model, num_kv_blocks=8, speculative_config={
+        LLM(loaded_model=model, num_kv_blocks=8, max_model_len=96, speculative_config={
             "method": "eagle", "num_speculative_tokens": 2,
             "model": str(tmp_path / "bad.safetensors")})
 
@@ -178,6 +181,7 @@ def test_runner_refuses_a_drafter_pass_that_disagrees(model: LlamaForCausalLM,
     from scheduler import Request
 
     llm = LLM(loaded_model=model, max_num_batched_tokens=64, num_kv_blocks=16,
+              max_model_len=192,
               speculative_config={"method": method, "num_speculative_tokens": 3})
     core = llm.engine
     core.add_request(Request("r", list(range(100, 120)), SamplingParams(max_tokens=8)))
@@ -194,7 +198,7 @@ def test_runner_refuses_a_drafter_pass_that_disagrees(model: LlamaForCausalLM,
 
 def test_out_of_vocab_prompt_is_refused_and_others_still_served(
         model: LlamaForCausalLM) -> None:
-    llm = LLM(loaded_model=model, num_kv_blocks=16)
+    llm = LLM(loaded_model=model, num_kv_blocks=16, max_model_len=192)
     with pytest.raises(ValueError, match=r"prompt_token_ids must be in \[0, 49152\)"):
         llm.generate([[5, 49152, 7]], PARAMS)
     with pytest.raises(ValueError, match="prompt_token_ids"):
@@ -223,7 +227,7 @@ def test_drafter_checks_each_built_pass_against_the_count(
 
     monkeypatch.setattr(model_runner, "pass_rows", one_short)
     monkeypatch.setattr(model_runner, "check_pass_rows", lambda *args: None)
-    llm = LLM(loaded_model=model, num_kv_blocks=16,
+    llm = LLM(loaded_model=model, num_kv_blocks=16, max_model_len=192,
               speculative_config={"method": "pard", "num_speculative_tokens": 2})
     with pytest.raises(BudgetInvariantError, match=r"pard: pass 'draft' built \d+ rows"):
         llm.generate(["The capital of France is"], PARAMS)
