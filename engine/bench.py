@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
 
 # Short completion prompts, half of them with text the answer is likely to repeat, so
 # prompt lookup (ngram) has something to find.
@@ -100,6 +101,9 @@ class LoadConfig:
     ignore_eos: bool = False
     endpoint: str = "completions"
     seed: int = 0
+    # A --request-rate run: `concurrency` is then only a cap, not the load.
+    rate_run: bool = False
+    progress: bool = False  # a tqdm bar per run, as vLLM's benchmark shows
 
 
 def _request_body(model: str, prompt: str, cfg: LoadConfig) -> dict[str, Any]:
@@ -176,14 +180,19 @@ async def run_load(base_url: str, model: str, prompts: Iterable[str],
             return await stream_completion(client, base_url, model, pool[i % len(pool)], cfg)
 
     limits = httpx.Limits(max_connections=max(cfg.concurrency or cfg.num_prompts, 1))
+    bar = tqdm(total=cfg.num_prompts, desc="requests", disable=not cfg.progress,
+               leave=False)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         start = time.perf_counter()
         tasks = []
         for i in range(cfg.num_prompts):
-            tasks.append(asyncio.create_task(one(client, i)))
+            task = asyncio.create_task(one(client, i))
+            task.add_done_callback(lambda _: bar.update(1))
+            tasks.append(task)
             if math.isfinite(cfg.request_rate) and i + 1 < cfg.num_prompts:
                 await asyncio.sleep(rng.expovariate(cfg.request_rate))
         results = list(await asyncio.gather(*tasks))
+    bar.close()
     return results, time.perf_counter() - start
 
 
@@ -247,7 +256,9 @@ def summarize(results: list[RequestResult], duration: float, cfg: LoadConfig,
     done = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in done)
     return {
-        "concurrency": cfg.concurrency,
+        # A rate run's load is its arrivals; its concurrency is only a cap (or none).
+        "concurrency": None if cfg.rate_run else cfg.concurrency,
+        "max_concurrency": cfg.concurrency if cfg.rate_run else None,
         "request_rate": cfg.request_rate if math.isfinite(cfg.request_rate) else "inf",
         "num_prompts": cfg.num_prompts, "max_tokens": cfg.max_tokens,
         "endpoint": cfg.endpoint, "ignore_eos": cfg.ignore_eos,
@@ -285,10 +296,10 @@ def run_sweep(base_url: str, model: str, base: LoadConfig, *,
     base_url = base_url.rstrip("/")
     if warmup:
         warm = _with(base, num_prompts=warmup, max_tokens=min(base.max_tokens, 4),
-                     concurrency=None, request_rate=math.inf)
+                     concurrency=None, request_rate=math.inf, progress=False)
         asyncio.run(run_load(base_url, model, pool, warm))
     configs = [_with(base, concurrency=c) for c in concurrencies]
-    configs += [_with(base, request_rate=r) for r in request_rates]
+    configs += [_with(base, request_rate=r, rate_run=True) for r in request_rates]
     runs = []
     for cfg in configs:
         run = run_one(base_url, model, cfg, pool)
@@ -303,8 +314,10 @@ def _with(base: LoadConfig, **changes: Any) -> LoadConfig:
 
 def format_run(run: dict[str, Any]) -> str:
     """One line per run: load, throughput, median latencies, acceptance."""
+    cap = run.get("max_concurrency")
     load = (f"concurrency {run['concurrency']}" if run["concurrency"] is not None
-            else f"rate {run['request_rate']} req/s")
+            else f"rate {run['request_rate']} req/s"
+            + (f" (at most {cap} in flight)" if cap is not None else ""))
     spec = run["spec_decode"]
     accept = ("" if not spec or spec["acceptance_rate"] is None
               else f", acceptance {spec['acceptance_rate']:.2f} "
@@ -320,9 +333,17 @@ def format_run(run: dict[str, Any]) -> str:
             f"e2e {ms('e2e_ms')} ms{accept}")
 
 
-def parse_list(text: str, kind: type = int) -> list[Any]:
-    """'1,4,16' -> [1, 4, 16]; 'inf' is accepted for rates."""
-    return [kind(item) for item in text.split(",") if item.strip()]
+def parse_list(text: str, kind: type = int, name: str = "value") -> list[Any]:
+    """'1,4,16' -> [1, 4, 16]; 'inf' is accepted for rates. Every item must be > 0:
+    a concurrency of 0 would send nothing and wait forever, a rate of 0 likewise."""
+    try:
+        items = [kind(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise ValueError(f"{name} must be a comma-separated list of numbers, got {text!r}"
+                         ) from None
+    if not items or any(not item > 0 for item in items):
+        raise ValueError(f"{name} values must be > 0, got {text!r}")
+    return items
 
 
 # ---- report ----------------------------------------------------------------------------

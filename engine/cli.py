@@ -114,6 +114,12 @@ def _add_serve_parser(sub: Any) -> None:
                        "(default: the model argument, or smollm2-135m)")
     serve.add_argument("--log-interval", type=float, default=10.0, metavar="SECONDS",
                        help="seconds between the engine's status lines")
+    serve.add_argument("--max-request-body-bytes", type=parse_bytes, default=4 << 20,
+                       metavar="BYTES", help="larger request bodies get 413 before they are "
+                       "read (default 4M)")
+    serve.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
+                       help="on SIGTERM, how long requests in flight may finish; then "
+                       "streams end with an error event and others get 503 (default 5)")
     serve.add_argument("--log-level", default="info",
                        choices=("debug", "info", "warning", "error"))
 
@@ -155,6 +161,7 @@ def _add_bench_parser(sub: Any) -> None:
     srv.add_argument("--max-tokens", type=int, default=32)
     srv.add_argument("--temperature", type=float, default=0.0)
     srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     srv.add_argument("--label", default=None, help="series name in the plot (default: model)")
     srv.add_argument("--out", default=None, metavar="JSON")
     srv.add_argument("--plot", default=None, metavar="PNG")
@@ -257,6 +264,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.async_engine import AsyncEngine
+    from engine.local_server import DrainingServer
     from engine.server import build_app
 
     # Operators scrape vLLM-shaped metrics; the *_created series only add noise
@@ -272,11 +280,16 @@ def serve(args: argparse.Namespace) -> int:
         args.model or DEFAULT_MODEL_NAME, name, args.host, args.port,
         _describe_spec(config.speculative_config), config.max_num_batched_tokens,
         config.max_num_seqs, config.max_model_len)
-    engine = AsyncEngine(config, log_interval_s=args.log_interval)
+    try:
+        engine = AsyncEngine(config, log_interval_s=args.log_interval)
+    except ValueError as err:  # a configuration that cannot serve: say why, no traceback
+        raise SystemExit(f"specbudget serve: cannot start: {err}") from None
     try:
         # build_app exports the engine's specbudget:* metrics (engine/metrics.py) on /metrics.
-        uvicorn.run(build_app(engine, name), host=args.host, port=args.port,
-                    log_level=args.log_level)
+        app = build_app(engine, name, max_request_body_bytes=args.max_request_body_bytes)
+        server_config = uvicorn.Config(app, host=args.host, port=args.port,
+                                       log_level=args.log_level)
+        DrainingServer(server_config, engine, args.shutdown_timeout).run()
     finally:
         engine.shutdown()
     return 0
@@ -334,17 +347,40 @@ def format_spec_decode(spec: dict[str, Any]) -> str:
 
 
 def bench_serve(args: argparse.Namespace) -> int:
+    import httpx
+
     from engine import bench
 
     base_url = args.base_url.rstrip("/")
+    try:
+        rates = (bench.parse_list(args.request_rate, float, "--request-rate")
+                 if args.request_rate else [])
+        concurrencies = ([] if rates else bench.parse_list(args.concurrency or "1,4,16", int,
+                                                           "--concurrency"))
+        for name in ("num_prompts", "max_tokens", "max_concurrency"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    except ValueError as err:
+        print(f"bench serve: {err}", file=sys.stderr)
+        return 2
+    try:
+        return _run_bench(args, base_url, rates, concurrencies)
+    except httpx.TransportError as err:  # refused, reset, timed out: one line, no traceback
+        print(f"bench serve: cannot reach {base_url}: {err or type(err).__name__}",
+              file=sys.stderr)
+        return 1
+
+
+def _run_bench(args: argparse.Namespace, base_url: str, rates: list[float],
+               concurrencies: list[int]) -> int:
+    from engine import bench
+
     model = args.model or bench.first_served_model(base_url)
     base = bench.LoadConfig(num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                             temperature=args.temperature, seed=args.seed,
                             concurrency=args.max_concurrency, endpoint=args.endpoint,
-                            ignore_eos=args.ignore_eos)
-    rates = bench.parse_list(args.request_rate, float) if args.request_rate else []
-    concurrencies = ([] if rates
-                     else bench.parse_list(args.concurrency or "1,4,16", int))
+                            ignore_eos=args.ignore_eos, progress=not args.disable_tqdm)
     print(f"bench serve: {base_url}{bench.ENDPOINTS[args.endpoint]}, model {model}, "
           f"{args.num_prompts} prompts per run, max_tokens {args.max_tokens}", flush=True)
     runs = bench.run_sweep(base_url, model, base, concurrencies=concurrencies,

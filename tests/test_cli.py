@@ -85,26 +85,30 @@ def test_serve_refuses_a_bad_speculative_config() -> None:
 
 def test_serve_runs_uvicorn_on_an_app_with_metrics(monkeypatch: pytest.MonkeyPatch,
                                                    model: LlamaForCausalLM) -> None:
-    """`serve` wires engine, app and metrics, then hands the app to uvicorn.run."""
-    import uvicorn
+    """`serve` wires engine, app and metrics, then runs them in a DrainingServer."""
     from fastapi.testclient import TestClient
+
+    from engine.local_server import DrainingServer
 
     seen: dict[str, Any] = {}
     monkeypatch.setattr("runner.model_runner.load_model", lambda *_: model)  # loaded once
 
-    def fake_run(app: Any, host: str, port: int, log_level: str) -> None:
-        seen.update(host=host, port=port)
-        with TestClient(app) as client:
+    def fake_run(server: DrainingServer) -> None:
+        seen.update(host=server.config.host, port=server.config.port,
+                    timeout=server.shutdown_timeout)
+        with TestClient(server.config.app) as client:
             seen["models"] = client.get("/v1/models").json()
             body = {"prompt": "1 2 3 4", "max_tokens": 3, "temperature": 0}
             seen["completion"] = client.post("/v1/completions", json=body).json()
             seen["metrics"] = client.get("/metrics").text
 
-    monkeypatch.setattr(uvicorn, "run", fake_run)
+    monkeypatch.setattr(DrainingServer, "run", fake_run)
     assert cli.main(["serve", "--port", "8123", "--served-model-name", "tiny",
                      "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
-                     "--max-num-batched-tokens", "64", "--kv-cache-memory", "16M"]) == 0
+                     "--max-num-batched-tokens", "64", "--kv-cache-memory", "16M",
+                     "--max-model-len", "256", "--shutdown-timeout", "2.5"]) == 0
     assert seen["port"] == 8123 and seen["models"]["data"][0]["id"] == "tiny"
+    assert seen["timeout"] == 2.5
     assert seen["completion"]["usage"]["completion_tokens"] == 3
     assert 'specbudget:generation_tokens_total{model_name="tiny"} 3.0' in seen["metrics"]
     assert 'specbudget:budget_pass_utilization{model_name="tiny",pass="target"}' in (
@@ -128,11 +132,15 @@ def test_bench_serve_writes_json_and_plot(tmp_path: Path, model: LlamaForCausalL
             assert cli.main(["bench", "serve", "--base-url", server.base_url,
                              "--request-rate", "20,inf", "--num-prompts", "2",
                              "--max-tokens", "3", "--label", "poisson", "--endpoint", "chat",
-                             "--out", str(tmp_path / "r.json")]) == 0
+                             "--max-concurrency", "1", "--out", str(tmp_path / "r.json")]) == 0
     finally:
         engine.shutdown()
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "concurrency 1: 2/2 ok" in out and "concurrency 2: 2/2 ok" in out
+    # A rate run reports its rate and the cap, never a concurrency it did not use.
+    assert "rate 20.0 req/s (at most 1 in flight): 2/2 ok" in out
+    assert "requests: 100%" in captured.err  # the progress bar, as vLLM's
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["model"] == "smollm2-135m"  # read from /v1/models
     runs = report["series"]["smollm2-135m"]
@@ -152,9 +160,34 @@ def test_bench_serve_writes_json_and_plot(tmp_path: Path, model: LlamaForCausalL
     assert drafted <= total
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rate_runs = json.loads((tmp_path / "r.json").read_text())["series"]["poisson"]
-    assert [(r["request_rate"], r["concurrency"]) for r in rate_runs] == [(20.0, None),
-                                                                          ("inf", None)]
+    assert [(r["request_rate"], r["concurrency"], r["max_concurrency"])
+            for r in rate_runs] == [(20.0, None, 1), ("inf", None, 1)]
     assert all(r["completed"] == 2 and r["endpoint"] == "chat" for r in rate_runs)
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--concurrency", "0", "--concurrency values must be > 0"),
+    ("--concurrency", "4,x", "comma-separated list"),
+    ("--request-rate", "0", "--request-rate values must be > 0"),
+    ("--num-prompts", "0", "--num-prompts must be >= 1"),
+])
+def test_bench_serve_refuses_bad_load(flag: str, value: str, says: str,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "serve", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_bench_serve_refused_connection_is_one_line(capsys: pytest.CaptureFixture[str]
+                                                    ) -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert cli.main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot reach http://127.0.0.1:{port}" in err
 
 
 def test_serve_bench_script_self_contained(tmp_path: Path) -> None:
