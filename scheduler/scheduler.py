@@ -122,14 +122,7 @@ class Scheduler:
         not to be trusted): recompute it from its known tokens, outputs kept."""
         request = self.requests[request_id]
         if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-            self.kv.free(request, finished=False)
-            request.status = RequestStatus.PREEMPTED
-            request.num_computed_tokens = 0
-            request.spec_token_ids = []
-            request.num_preemptions += 1
-            self.stats.num_preemptions += 1
-            self.waiting.readd_preempted(request)
+            self._recompute_later(request)
         request.suspect = suspect
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -201,9 +194,15 @@ class Scheduler:
 
     def _preempt(self, request: Request, budget: StepBudget, preempted: set[str]) -> None:
         """Recompute-style preemption: free its blocks, refund its charge, requeue."""
-        self.running.remove(request)
         if request.request_id in budget.charges:
             budget.refund(request.request_id)
+        self._recompute_later(request)
+        preempted.add(request.request_id)
+
+    def _recompute_later(self, request: Request) -> None:
+        """Take a running request out: free its blocks, drop its drafts, queue it to be
+        recomputed from its known tokens ahead of newer arrivals."""
+        self.running.remove(request)
         self.kv.free(request, finished=False)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -211,7 +210,6 @@ class Scheduler:
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.readd_preempted(request)
-        preempted.add(request.request_id)
 
     def _schedule_waiting(self, budget: StepBudget) -> list[Request]:
         """Admit from the head of the queue until one does not fit (no skipping).
