@@ -214,11 +214,11 @@ class Scheduler:
     def _schedule_waiting(self, budget: StepBudget) -> list[Request]:
         """Admit from the head of the queue until one does not fit (no skipping).
 
-        At most one suspect (`Request.suspect`) runs per step, so a step that fails
+        At most one suspect (`Request.suspect`) runs at a time, so a step that fails
         again is traced to it; a second suspect waits, and so does everyone behind it.
         """
         admitted = []
-        suspect_in_step = any(self.requests[rid].suspect for rid in budget.charges)
+        suspect_in_step = any(request.suspect for request in self.running)
         while len(self.waiting) and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.suspect and suspect_in_step:

@@ -149,6 +149,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(self._abortable()))
         self._step(abort=rid)
 
+    @precondition(lambda self: self.shadow is None and self.sched.has_unfinished_requests())
+    @rule(data=st.data())
+    def failed_step(self, data: st.DataObject) -> None:
+        """The runner fails a step: as EngineCore does, its requests are requeued for
+        recompute, some as suspects; they must still all run, one suspect at a time."""
+        before = {rid: (r.num_computed_tokens, r.num_tokens)
+                  for rid, r in self.sched.requests.items()}
+        out = self.sched.schedule()
+        self._check_output(out, True, before)
+        for rid in reversed(list(out.num_scheduled_tokens)):
+            self.sched.requeue(rid, suspect=data.draw(st.booleans()))
+
     def _step(self, abort: str | None = None) -> None:
         had_work = self.sched.has_unfinished_requests()
         before = {rid: (r.num_computed_tokens, r.num_tokens)
@@ -172,6 +184,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             (rows for name, rows in out.pass_rows.items() if name != "target"), default=0)
         if had_work:
             assert out.total_num_scheduled_tokens > 0, "no progress with runnable requests"
+        suspects = [r for r in self.sched.running if r.suspect]
+        assert len(suspects) <= 1, suspects  # so a repeated fault names its request
         assert len(self.sched.running) <= self.sched.config.max_num_seqs
         for rid, n in out.num_scheduled_tokens.items():
             assert n >= 1
