@@ -130,13 +130,16 @@ class StepBudget:
         self.rule = rule
         self.remaining = rule.initial_budget(max_num_batched_tokens)
         self.charges: dict[str, ChunkPlan] = {}
+        self.num_refunds = 0  # preemptions that gave rows back after others were planned
 
     def charge(self, req_id: str, plan: ChunkPlan) -> None:
         assert req_id not in self.charges, f"{req_id} charged twice in one step"
         self.charges[req_id] = plan
         self.remaining = [rem - row for rem, row in zip(self.remaining, plan.rows)]
 
-    def refund(self, req_id: str) -> None:
-        """Give back exactly what `req_id` was charged (it was preempted)."""
+    def refund(self, req_id: str) -> ChunkPlan:
+        """Give back exactly what `req_id` was charged (preempted, or to be re-planned)."""
         plan = self.charges.pop(req_id)
         self.remaining = [rem + row for rem, row in zip(self.remaining, plan.rows)]
+        self.num_refunds += 1
+        return plan

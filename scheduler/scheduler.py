@@ -88,8 +88,7 @@ class Scheduler:
                 f"generate within max_model_len={max_len} (the prompt must be < {max_len})"
             )
         # The most this request can ever hold: all its tokens plus draft lookahead.
-        longest = min(max_len, num_prompt + request.max_tokens + self.rule.max_k + 1)
-        need = self.kv.blocks_needed(longest + self.rule.lookahead(self.rule.max_k))
+        need = self.kv.blocks_needed(self.max_slots(num_prompt, request.max_tokens))
         if need > self.cache_config.num_blocks:
             raise ValueError(
                 f"request {rid!r} may need {need} KV blocks (prompt {num_prompt} + "
@@ -97,12 +96,19 @@ class Scheduler:
                 f"num_blocks={self.cache_config.num_blocks}"
             )
 
+    def max_slots(self, num_prompt: int, max_tokens: int) -> int:
+        """The most KV slots a request ever holds: every position of its longest
+        sequence but the last (whose token is sampled, never computed). Drafts and the
+        drafter's lookahead (at most k + 1 slots past the chunk) stay inside it: the k
+        rule leaves room for k + 2 more tokens within both limits. So a method that
+        drafts holds no more than speculation off (tests/test_state_machine.py checks
+        every request's blocks against it)."""
+        return min(self.config.max_model_len, num_prompt + max_tokens) - 1
+
     def max_request_blocks(self) -> int:
-        """KV blocks one request may hold at most: max_model_len tokens plus the KV
-        slots its drafter writes ahead (what the pool must hold to serve any request
-        the context length allows)."""
-        return self.kv.blocks_needed(self.config.max_model_len
-                                     + self.rule.lookahead(self.rule.max_k))
+        """KV blocks one request may hold at most (what the pool must hold to serve any
+        request the context length allows)."""
+        return self.kv.blocks_needed(self.max_slots(self.config.max_model_len, 0))
 
     def abort_request(self, request_id: str,
                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -168,6 +174,7 @@ class Scheduler:
 
     def _schedule_running(self, budget: StepBudget, preempted: set[str],
                           new_block_ids: dict[str, list[int]]) -> None:
+        held: dict[str, int] = {}  # blocks each request held before this step
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room
@@ -177,7 +184,7 @@ class Scheduler:
                               allow_partial=True)
             if plan is None:
                 continue
-            held = len(self.kv.req_blocks.get(request.request_id, ()))
+            held[request.request_id] = len(self.kv.req_blocks.get(request.request_id, ()))
             while not self.kv.allocate_slots(request, plan.num_tokens, plan.lookahead):
                 victim = self._pick_victim()
                 self._preempt(victim, budget, preempted)
@@ -185,7 +192,25 @@ class Scheduler:
                     break
             if request.status == RequestStatus.RUNNING:
                 budget.charge(request.request_id, plan)
-                new_block_ids[request.request_id] = self.kv.block_ids(request.request_id, held)
+        if budget.num_refunds:
+            self._offer_refunds(budget)
+        for rid in budget.charges:
+            new_block_ids[rid] = self.kv.block_ids(rid, held[rid])
+
+    def _offer_refunds(self, budget: StepBudget) -> None:
+        """Under priority a victim may be preempted after requests behind it were
+        planned with the rows it held: offer the refund back to each, in order. A
+        larger chunk is taken only if the KV pool holds it without preempting more."""
+        for rid in list(budget.charges):  # each is re-charged in turn: order is kept
+            request = self.requests[rid]
+            old = budget.refund(rid)
+            pending = request.num_tokens_with_spec - request.num_computed_tokens
+            plan = plan_chunk(self.rule, budget.remaining, self._view(request),
+                              self._max_chunk(pending), allow_partial=True)
+            if plan is None or plan.num_tokens <= old.num_tokens or not \
+                    self.kv.allocate_slots(request, plan.num_tokens, plan.lookahead):
+                plan = old
+            budget.charge(rid, plan)
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":

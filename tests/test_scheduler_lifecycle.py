@@ -732,3 +732,41 @@ def test_fcfs_preempted_request_resumes_before_newer_arrivals() -> None:
     assert admitted_after[0] == "b"
     assert "c" in admitted_after
     _assert_idle_and_clean(scheduler)
+
+
+@pytest.mark.parametrize("method", [None, "ngram", "suffix", "eagle", "dflash"])
+def test_admission_charges_no_more_kv_than_the_request_can_hold(method: str | None) -> None:
+    """B=32, 2 blocks of 4: a 4-token prompt with max_tokens 3 holds at most 6 slots
+    (its 7th token is sampled, never computed), under any method: drafts and the
+    drafter's lookahead stay inside that by the k rule. It used to be refused as
+    needing 3 blocks under ngram K=4."""
+    sched = make_scheduler(method, k=4, budget=32, max_num_seqs=4, max_model_len=64,
+                           block_size=4, num_blocks=2, enable_prefix_caching=False)
+    runner = SimulatedRunner(method, acceptance=1.0, seed=0)
+    sched.add_request(make_request("r", 4, max_tokens=3, ignore_eos=True))
+    drain(sched, runner)
+    with pytest.raises(ValueError, match="may need 3 KV blocks"):
+        sched.add_request(make_request("s", 4, max_tokens=6))
+
+
+def test_priority_preemption_offers_the_refund_to_requests_already_planned() -> None:
+    """pard K=2, B=7, 7 blocks of 2: at step 3 r1 (priority 1) is planned with the rows
+    r0 (priority 2) was charged first, then r0 is preempted for KV and refunded: r1
+    must get the refund (n=3, both drafts verified), not keep the n=2 it was planned
+    with (what the scheduler did before)."""
+    sched = make_scheduler("pard", k=2, budget=7, max_num_seqs=4, max_model_len=16,
+                           block_size=2, num_blocks=7, policy="priority",
+                           enable_prefix_caching=False)
+    runner = SimulatedRunner("pard", acceptance=0.0, seed=0)
+    sched.add_request(Request("r0", list(range(10, 16)), SamplingParams(max_tokens=4),
+                              priority=2))
+    run_step(sched, runner)
+    sched.add_request(Request("r1", [20, 21], SamplingParams(max_tokens=8), priority=1))
+    run_step(sched, runner)
+    out, _ = run_step(sched, runner)
+    assert out.preempted_req_ids == {"r0"}
+    assert out.num_scheduled_tokens == {"r1": 3}
+    assert len(out.scheduled_spec_decode_tokens["r1"]) == 2
+    assert all(rows <= 7 for rows in out.pass_rows.values())
+    sched.kv.pool.check_integrity()
+    drain(sched, runner)

@@ -184,6 +184,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             (rows for name, rows in out.pass_rows.items() if name != "target"), default=0)
         if had_work:
             assert out.total_num_scheduled_tokens > 0, "no progress with runnable requests"
+        for req in self.sched.running:  # what admission promised (Scheduler.max_slots)
+            longest = min(MAX_MODEL_LEN, req.num_prompt_tokens + req.max_tokens) - 1
+            held = len(self.sched.kv.req_blocks.get(req.request_id, ()))
+            assert held <= -(-longest // BLOCK_SIZE), (req, held, longest)
         suspects = [r for r in self.sched.running if r.suspect]
         assert len(suspects) <= 1, suspects  # so a repeated fault names its request
         assert len(self.sched.running) <= self.sched.config.max_num_seqs
