@@ -159,11 +159,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        self._sync_states(out)
         req_ids = list(out.num_scheduled_tokens)
         n = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         k = np.array([out.num_draft_tokens.get(r, 0) for r in req_ids], dtype=np.int64)
+        # Before anything is written, request state included (DESIGN.md §2).
         self._check_budget(out, n, k)
+        self._sync_states(out)
         if not req_ids:
             return ModelRunnerOutput([], [], {}, pass_rows=self.last_pass_rows)
         spec = out.scheduled_spec_decode_tokens

@@ -191,6 +191,7 @@ def test_runner_refuses_a_drafter_pass_that_disagrees(model: LlamaForCausalLM,
     with pytest.raises(BudgetInvariantError, match=method):
         core.runner.execute(forged)
     assert (core.runner.buffers.input_ids.np == -7).all()
+    assert len(core.runner.states) == 0  # the new request was not even given a row
     result = core.runner.execute(out)  # the honest output runs
     assert max(v for p, v in result.pass_rows.items() if p != "target") == \
         out.num_drafter_tokens
