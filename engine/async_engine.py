@@ -186,7 +186,7 @@ class AsyncEngine:
         updates = self.core.step()
         deltas, stopped, latency = self.processor.process(updates)
         for request_id in stopped:
-            self.core.abort_request(request_id)
+            self.core.stop_request(request_id)
         for hook in self.on_step:
             hook(self.core, deltas, latency)
         with self._wake:

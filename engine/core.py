@@ -95,6 +95,12 @@ class EngineCore:
         self.scheduler.abort_request(request_id)
         self._live.pop(request_id, None)
 
+    def stop_request(self, request_id: str) -> None:
+        """End a request the detokenizer found a stop string in: it finished with
+        "stop" for the scheduler too, not as an abort (stats agree with the client)."""
+        self.scheduler.abort_request(request_id, RequestStatus.FINISHED_STOPPED)
+        self._live.pop(request_id, None)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -78,7 +78,7 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 deltas, stopped, _ = self.processor.process(self.engine.step())
                 for rid in stopped:
-                    self.engine.abort_request(rid)
+                    self.engine.stop_request(rid)
                 for delta in deltas:
                     out = outputs[delta.request_id]
                     completion = out.outputs[0]

@@ -82,3 +82,20 @@ def test_min_num_tokens_is_a_true_lower_bound() -> None:
     for text in ("hello world " * 50, "#" * 500, "\n" + " " * 400, "😀" * 30, "a"):
         assert tok.min_num_tokens(text) <= len(tok.encode(text)), text[:20]
     assert tok.min_num_tokens("x" * 81 * 1000) >= 1000
+
+
+def test_a_stop_string_finishes_the_request_with_stop_in_the_scheduler_too() -> None:
+    from engine.llm import LLM
+    from scheduler import Request
+    from scheduler.request import RequestStatus
+    from tests.server_helpers import default_model
+
+    llm = LLM(loaded_model=default_model(), max_model_len=64, num_kv_blocks=16)
+    seen: list[Request] = []
+    add = llm.engine.add_request
+    llm.engine.add_request = lambda request: (seen.append(request), add(request))[1]  # type: ignore[method-assign]
+    (out,) = llm.generate(["The capital of France is"],
+                          SamplingParams(max_tokens=16, stop=("Paris",)), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "stop"
+    assert seen[0].status == RequestStatus.FINISHED_STOPPED
+    assert llm.engine.scheduler.kv_cache_usage() == 0.0
