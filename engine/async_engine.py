@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.output import LatencySample, OutputProcessor, RequestDelta
+from engine.tokenizer import Tokenizer
 from runner.models.llama import LlamaForCausalLM
-from runner.tokenizer import Tokenizer
 from scheduler import Request, SamplingParams
 
 logger = logging.getLogger("specbudget.engine")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runner.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"  # a byte-level BPE token that ends mid-character decodes to this
 

@@ -11,8 +11,8 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.output import OutputProcessor
+from engine.tokenizer import Tokenizer
 from runner.models.llama import LlamaForCausalLM
-from runner.tokenizer import Tokenizer
 from scheduler import Request, SamplingParams
 from spec_decode import SpeculativeConfig
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.core import StepUpdate
 from engine.detokenizer import IncrementalDetokenizer
-from runner.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer
 from scheduler import SamplingParams
 
 Logprobs = tuple[list[int], list[float]]  # sampled token first, then the top n

@@ -15,9 +15,9 @@ from runner.draft_passes import StepResult
 from runner.drafter import ModelDrafter
 from runner.models.llama import LlamaForCausalLM
 from runner.request_states import RequestStates
-from runner.sampler import SamplingMetadata
 from spec_decode import SpeculativeConfig
 from spec_decode.proposer import TokenProposer
+from spec_decode.sampling import SamplingMetadata
 
 
 def make_token_proposer(spec: SpeculativeConfig) -> TokenProposer:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runner.sampler import (
+from spec_decode.sampling import (
     SAMPLING_EPS,
     SamplingMetadata,
     apply_min_p,

@@ -180,7 +180,8 @@ def test_top_k_at_the_int64_edge_runs_in_the_runner() -> None:
     nothing (it is larger than any vocabulary)."""
     import numpy as np
 
-    from runner.sampler import Sampler, SamplingMetadata
+    from runner.sampler import Sampler
+    from spec_decode.sampling import SamplingMetadata
 
     params = SamplingParams(temperature=1.0, top_k=(1 << 63) - 1, seed=3)
     meta = SamplingMetadata.from_arrays(

@@ -48,3 +48,14 @@ def test_prepare_model_prints_a_loadable_dir(capsys: pytest.CaptureFixture[str])
     path = Path(capsys.readouterr().out.strip())
     config = json.loads((path / "config.json").read_text())
     assert config["num_hidden_layers"] == 30 and (path / "tokenizer.json").exists()
+
+
+def test_spec_decode_never_imports_the_runner() -> None:
+    """Layering: spec_decode sits below runner (the rejection sampler shares its
+    sampling maths through spec_decode.sampling, not by importing runner.sampler)."""
+    code = ("import sys, spec_decode.rejection_sampler, spec_decode.sampling, "
+            "spec_decode.ngram, spec_decode.suffix; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('runner', 'engine')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"

@@ -12,10 +12,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from engine.core import EngineCore
 from engine.metrics import EngineMetrics
 from engine.output import LatencySample, OutputProcessor, RequestDelta
+from engine.tokenizer import Tokenizer
 from runner.model_loader import load_model
 from runner.model_prep import resolve_model
 from runner.models.llama import LlamaForCausalLM
-from runner.tokenizer import Tokenizer
 from scheduler import Request, SamplingParams
 from scheduler.stats import SchedulerStats
 

@@ -25,6 +25,7 @@ from jinja2.exceptions import TemplateError
 from safetensors.torch import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.tokenizer import Tokenizer
 from runner import model_prep
 from runner.attention import AttentionMetadata, get_attention_backend
 from runner.model_loader import load_model, read_config
@@ -37,7 +38,6 @@ from runner.model_prep import (
     unpermute_qk,
 )
 from runner.models.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
-from runner.tokenizer import Tokenizer
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 8  # 128 slots: room for every sequence below

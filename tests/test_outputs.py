@@ -8,8 +8,8 @@ import functools
 from engine.core import StepUpdate
 from engine.detokenizer import IncrementalDetokenizer
 from engine.output import OutputProcessor
+from engine.tokenizer import Tokenizer
 from runner.model_prep import resolve_model
-from runner.tokenizer import Tokenizer
 from scheduler import SamplingParams
 
 

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from runner.sampler import SamplingMetadata, exponential_race
 from scheduler.request import SamplingParams
 from spec_decode.rejection_sampler import (
     PLACEHOLDER_TOKEN_ID,
@@ -19,6 +18,7 @@ from spec_decode.rejection_sampler import (
     draw_random,
     make_rejection_sampler,
 )
+from spec_decode.sampling import SamplingMetadata, exponential_race
 from tests.test_sampler import chi2_critical, chi2_statistic
 
 VOCAB = 8

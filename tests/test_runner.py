@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from engine.tokenizer import Tokenizer
 from runner import BudgetInvariantError
 from runner.config import RunnerConfig, kv_bytes_per_block
 from runner.model_loader import load_model
 from runner.model_prep import resolve_model
 from runner.model_runner import ModelRunner
 from runner.models.llama import LlamaForCausalLM
-from runner.tokenizer import Tokenizer
 from scheduler import (
     CacheConfig,
     Request,

@@ -9,15 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from runner.sampler import (
-    Sampler,
-    SamplerOutput,
-    SamplingMetadata,
-    apply_min_p,
-    apply_top_k_top_p,
-    position_seed,
-)
+from runner.sampler import Sampler, SamplerOutput
 from scheduler.request import SamplingParams
+from spec_decode.sampling import SamplingMetadata, apply_min_p, apply_top_k_top_p, position_seed
 
 VOCAB = 64
 
