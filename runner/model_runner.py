@@ -21,7 +21,7 @@ from runner.buffers import StepBuffers
 from runner.config import RunnerConfig, kv_bytes_per_block
 from runner.draft_passes import StepResult, pass_rows, sequential_rows
 from runner.input_prep import PreparedStep, prepare_inputs, write_spec_tokens
-from runner.invariant import check_pass_rows
+from runner.invariant import check_draft_counts, check_pass_rows
 from runner.model_loader import load_model
 from runner.model_prep import resolve_model
 from runner.models.llama import LlamaForCausalLM
@@ -146,6 +146,32 @@ class ModelRunner:
             if self.spec:
                 self.spec.remove_request(req_id, False)
 
+    def _allowed_drafts(self, out: SchedulerOutput, req_ids: list[str],
+                        n: np.ndarray) -> np.ndarray:
+        """The largest k the rule allows each request, from the runner's own copy of its
+        lengths and max_tokens (a new request's from its NewRequestData): 0 unless
+        the chunk reaches its last known token, i.e. samples."""
+        states, num = self.states, len(req_ids)
+        tokens, prompt, computed, limit = (np.zeros(num, dtype=np.int64) for _ in range(4))
+        new = {data.req_id: data for data in out.scheduled_new_reqs}
+        for i, rid in enumerate(req_ids):
+            if rid in new:
+                data = new[rid]
+                tokens[i] = len(data.prompt_token_ids) + len(data.output_token_ids)
+                prompt[i], computed[i] = len(data.prompt_token_ids), data.num_computed_tokens
+                limit[i] = data.sampling_params.max_tokens
+            else:
+                row = states.row_of[rid]
+                tokens[i], prompt[i] = states.num_tokens[row], states.num_prompt[row]
+                computed[i], limit[i] = states.num_computed[row], states.max_tokens[row]
+        spec = out.scheduled_spec_decode_tokens
+        s = np.array([len(spec.get(rid, ())) for rid in req_ids], dtype=np.int64)
+        max_k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
+        rule = np.minimum(self.scheduler_config.max_model_len - (tokens + s + 2),
+                          limit - (tokens - prompt + s) - 2)
+        allowed = np.clip(rule, 0, max_k)
+        return np.where(computed + n >= tokens, allowed, 0)
+
     def _check_budget(self, out: SchedulerOutput, n: np.ndarray, k: np.ndarray) -> None:
         """Count the rows of every pass this step will build; assert before writing."""
         counts = {"target": int(n.sum())}
@@ -164,6 +190,8 @@ class ModelRunner:
         k = np.array([out.num_draft_tokens.get(r, 0) for r in req_ids], dtype=np.int64)
         # Before anything is written, request state included (DESIGN.md §2).
         self._check_budget(out, n, k)
+        check_draft_counts(self.speculative_config.method if self.speculative_config else None,
+                           req_ids, k, self._allowed_drafts(out, req_ids, n))
         self._sync_states(out)
         if not req_ids:
             return ModelRunnerOutput([], [], {}, pass_rows=self.last_pass_rows)

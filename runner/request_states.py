@@ -20,6 +20,8 @@ class RequestStates:
         self.device = device
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)  # known: prompt + output
+        self.num_prompt = np.zeros(max_num_seqs, dtype=np.int64)
+        self.max_tokens = np.zeros(max_num_seqs, dtype=np.int64)  # the runner's own copy
         self.num_computed = np.zeros(max_num_seqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
@@ -48,6 +50,8 @@ class RequestStates:
         tokens = new.prompt_token_ids + new.output_token_ids
         self.token_ids[row, :len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
+        self.num_prompt[row] = len(new.prompt_token_ids)
+        self.max_tokens[row] = new.sampling_params.max_tokens
         self.num_computed[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
         self._append_blocks(row, new.block_ids)
