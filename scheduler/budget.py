@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from spec_decode import SpeculativeConfig, min_decode_rows
 from spec_decode.layout import DrafterLayout
 
 
@@ -143,3 +144,27 @@ class StepBudget:
         self.remaining = [rem + row for rem, row in zip(self.remaining, plan.rows)]
         self.num_refunds += 1
         return plan
+
+
+def check_budget_config(rule: ThrottleRule, spec: SpeculativeConfig | None,
+                        max_num_batched_tokens: int) -> None:
+    """Refuse a B that cannot serve one decoding request verifying and proposing K.
+
+    Checked against the rule's own starting budget, so a swapped-in rule that
+    reserves rows up front (benchmarks' vLLM rules) is refused too, not left to
+    admit nothing forever.
+    """
+    max_k, budget = rule.max_k, max_num_batched_tokens
+    names = ("target",) + (rule.layout.pass_names if rule.layout else ())
+    rows = rule.plan(1 + max_k, max_k, max_k).rows
+    for name, need, have in zip(names, rows, rule.initial_budget(budget)):
+        if need <= have:
+            continue
+        method = spec.method if spec else "none"
+        need_all = min_decode_rows(spec) if spec else {"target": 1}
+        raise ValueError(
+            f"max_num_batched_tokens={budget} is below one decoding request's cost "
+            f"under method={method!r} with num_speculative_tokens={max_k}: its "
+            f"{name!r} pass needs {need} rows but gets {have} (all passes: {need_all}); "
+            f"set max_num_batched_tokens >= {max(need_all.values()) + budget - have}"
+        )

@@ -9,14 +9,21 @@ request (the newest under FCFS) when the pool is short.
 
 from __future__ import annotations
 
-from scheduler.budget import ChunkPlan, RequestView, StepBudget, ThrottleRule, plan_chunk
+from scheduler.budget import (
+    ChunkPlan,
+    RequestView,
+    StepBudget,
+    ThrottleRule,
+    check_budget_config,
+    plan_chunk,
+)
 from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import make_queue
 from scheduler.stats import SchedulerStats
-from spec_decode import SpeculativeConfig, get_layout, min_decode_rows
+from spec_decode import SpeculativeConfig, get_layout
 
 
 class Scheduler:
@@ -33,37 +40,13 @@ class Scheduler:
         adaptive = speculative_config is not None and speculative_config.draft_policy == "fit"
         self.rule = rule or ThrottleRule(self.layout, max_k, scheduler_config.max_model_len,
                                          adaptive)
-        self._check_budget_config()
+        check_budget_config(self.rule, speculative_config, scheduler_config.max_num_batched_tokens)
         self.kv = KVCacheManager(cache_config)
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(scheduler_config.policy)
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self._finished_since_last_step: set[str] = set()
-
-    def _check_budget_config(self) -> None:
-        """Refuse a B that cannot serve one decoding request verifying and proposing K.
-
-        Checked against the rule's own starting budget, so a swapped-in rule that
-        reserves rows up front (benchmarks' vLLM rules) is refused too, not left to
-        admit nothing forever.
-        """
-        spec = self.speculative_config
-        max_k = self.rule.max_k
-        budget = self.config.max_num_batched_tokens
-        names = ("target",) + (self.layout.pass_names if self.layout else ())
-        rows = self.rule.plan(1 + max_k, max_k, max_k).rows
-        for name, need, have in zip(names, rows, self.rule.initial_budget(budget)):
-            if need <= have:
-                continue
-            method = spec.method if spec else "none"
-            need_all = min_decode_rows(spec) if spec else {"target": 1}
-            raise ValueError(
-                f"max_num_batched_tokens={budget} is below one decoding request's cost "
-                f"under method={method!r} with num_speculative_tokens={max_k}: its "
-                f"{name!r} pass needs {need} rows but gets {have} (all passes: {need_all}); "
-                f"set max_num_batched_tokens >= {max(need_all.values()) + budget - have}"
-            )
 
     # ---- requests in and out -------------------------------------------------
 
