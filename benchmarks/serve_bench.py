@@ -32,6 +32,7 @@ if str(ROOT) not in sys.path:  # run as a script: make the repo's packages impor
     sys.path.insert(0, str(ROOT))
 
 from engine import bench  # noqa: E402
+from engine.bench_plot import plot_series  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 SERIES = {"spec off": None, "ngram K=3": {"method": "ngram", "num_speculative_tokens": 3}}
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    bench.plot_series(series, str(plot), title=(
+    plot_series(series, str(plot), title=(
         f"serve_bench: {report['model']}, {base.endpoint}, {base.num_prompts} requests per "
         f"run, max_tokens {base.max_tokens}, greedy; {where}"))
     for line in compare(series):

@@ -26,7 +26,6 @@ whose `param` names the field and whose message names the limit):
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -42,6 +41,7 @@ from pydantic import (
     WithJsonSchema,
 )
 
+from engine.json_body import InvalidJSON, load_strict_json
 from scheduler.request import INT64_MAX, INT64_MIN, MAX_LOGPROBS
 
 MAX_N = 16
@@ -174,65 +174,13 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
 
 
-class _NonFinite:
-    """Stands in for a NaN / Infinity literal while parsing, so its field can be named."""
-
-    def __init__(self, literal: str) -> None:
-        self.literal = literal
-
-
-MAX_JSON_DEPTH = 32  # no field nests deeper than a few levels; deeper is refused
-
-
-def _bad_string(text: str) -> bool:
-    """A lone surrogate (JSON allows "\\ud800"; UTF-8 and the tokenizer do not)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
-def _find_bad_value(data: Any) -> tuple[str, str] | None:
-    """The first value no field may hold, as (path, why): a NaN / Infinity literal, a
-    string with a lone surrogate, or nesting past MAX_JSON_DEPTH. Iterative, so a
-    deeply nested body cannot exhaust the stack."""
-    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
-    while stack:
-        value, path, depth = stack.pop()
-        if isinstance(value, _NonFinite):
-            return path, f"{value.literal} is not valid JSON (numbers must be finite)"
-        if isinstance(value, str) and _bad_string(value):
-            return path, "the string holds a lone UTF-16 surrogate (not valid Unicode)"
-        if not isinstance(value, (dict, list)):
-            continue
-        if depth >= MAX_JSON_DEPTH:
-            return path, f"JSON nested deeper than {MAX_JSON_DEPTH} levels"
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in items:
-            where = f"{path}.{key}" if path else str(key)
-            if isinstance(key, str) and _bad_string(key):
-                return path or "body", "a key holds a lone UTF-16 surrogate"
-            stack.append((item, where, depth + 1))
-    return None
-
-
 def parse_body(raw: bytes, model: type[CompletionRequest] | type[ChatCompletionRequest]
                ) -> Any:
-    """Strict JSON (no NaN / Infinity literals, valid Unicode, bounded nesting), then
-    the pydantic model."""
+    """Strict JSON (engine/json_body.py), then the pydantic model."""
     try:
-        data = json.loads(raw, parse_constant=_NonFinite)
-    except ValueError as err:  # UnicodeDecodeError included
-        raise APIError(f"Invalid JSON body: {err}", code="invalid_json") from None
-    except RecursionError:
-        raise APIError(f"Invalid JSON body: nested deeper than {MAX_JSON_DEPTH} levels",
-                       code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError("The request body must be a JSON object", code="invalid_json")
-    found = _find_bad_value(data)
-    if found:
-        raise APIError(f"{found[0]}: {found[1]}", param=found[0], code="invalid_json")
+        data = load_strict_json(raw)
+    except InvalidJSON as err:
+        raise APIError(str(err), param=err.param, code="invalid_json") from None
     try:
         return model.model_validate(data)
     except ValidationError as err:

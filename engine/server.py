@@ -18,16 +18,14 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from engine import protocol as P
 from engine.async_engine import (
@@ -47,93 +45,10 @@ from engine.formats import (
     apply_delta,
 )
 from engine.output import RequestDelta
+from engine.streams import Choices, ClientGone, EventStream, until_disconnected
 from scheduler import SamplingParams
 
 logger = logging.getLogger("specbudget.server")
-T = TypeVar("T")
-
-
-class _Choices:
-    """The n engine requests of one API request, merged into one stream of deltas.
-
-    Each choice is pumped by its own task into one queue; `close()` cancels the
-    tasks, which closes each `AsyncEngine.generate` generator, which aborts its
-    engine request if it has not finished.
-    """
-
-    def __init__(self, engine: AsyncEngine, job: Job) -> None:
-        self._queue: asyncio.Queue[tuple[int, RequestDelta | Exception]] = asyncio.Queue()
-        self._pending = len(job.params)
-        self._tasks = [
-            asyncio.create_task(self._pump(i, engine.generate(
-                f"{job.request_id}-{i}", job.prompt_token_ids, params, job.priority)))
-            for i, params in enumerate(job.params)
-        ]
-
-    async def _pump(self, index: int, gen: AsyncIterator[RequestDelta]) -> None:
-        try:
-            async for delta in gen:
-                self._queue.put_nowait((index, delta))
-        except Exception as err:  # engine refusal (ValueError) or EngineDeadError
-            self._queue.put_nowait((index, err))
-
-    async def next(self) -> tuple[int, RequestDelta] | None:
-        """The next delta of any choice; None once all finished; raises their error."""
-        if self._pending == 0:
-            return None
-        index, item = await self._queue.get()
-        if isinstance(item, Exception):
-            raise item
-        if item.finished:
-            self._pending -= 1
-        return index, item
-
-    def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()  # a no-op for a finished task
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its response was ready."""
-
-
-async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, but give up (raising _ClientGone) if the client disconnects."""
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    if task not in done:
-        raise _ClientGone()
-    return task.result()
-
-
-class _EventStream(StreamingResponse):
-    """SSE response that runs `on_close` however the stream ends (disconnect included)."""
-
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
-        self._events = events
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-            aclose = getattr(self._events, "aclose", None)
-            if aclose is not None:
-                await aclose()
 
 
 def _too_large(size: int, limit: int) -> P.APIError:
@@ -270,26 +185,26 @@ class _OpenAIServer:
         # Parsing and tokenising a long prompt takes seconds: on a worker thread (the
         # tokenizer releases the GIL), so /health and every stream keep flowing.
         job, fmt = await asyncio.to_thread(make_job, raw)
-        choices = _Choices(self.engine, job)
+        choices = Choices(self.engine, job)
         handed_over = False
         try:
             # The first delta (or the engine's refusal) decides the status code, so a
             # request the KV cache can never hold is a 400 even when streamed.
-            first = await _until_disconnected(request, choices.next())
+            first = await until_disconnected(request, choices.next())
             if job.stream:
                 handed_over = True
-                return _EventStream(self._events(job, fmt, choices, first), choices.close)
-            body = await _until_disconnected(request, self._collect(job, fmt, choices, first))
+                return EventStream(self._events(job, fmt, choices, first), choices.close)
+            body = await until_disconnected(request, self._collect(job, fmt, choices, first))
             return JSONResponse(body)
         except (ValueError, EngineDeadError, EngineShutdownError, RequestFailedError) as err:
             return _error_response(_engine_error(err))
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)
         finally:
             if not handed_over:
                 choices.close()
 
-    async def _collect(self, job: Job, fmt: Format, choices: _Choices,
+    async def _collect(self, job: Job, fmt: Format, choices: Choices,
                        item: tuple[int, RequestDelta] | None) -> dict[str, Any]:
         states = [ChoiceState() for _ in job.params]
         while item is not None:
@@ -297,7 +212,7 @@ class _OpenAIServer:
             item = await choices.next()
         return fmt.response(states)
 
-    async def _events(self, job: Job, fmt: Format, choices: _Choices,
+    async def _events(self, job: Job, fmt: Format, choices: Choices,
                       item: tuple[int, RequestDelta] | None) -> AsyncIterator[str]:
         states = [ChoiceState() for _ in job.params]
         try:
