@@ -17,6 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.json_body import DEFAULT_MAX_BODY_BYTES
 from engine.simulate import simulate_command
 from runner.model_prep import DEFAULT_MODEL_NAME
 from spec_decode import DRAFT_POLICIES, METHODS, SpeculativeConfig
@@ -112,7 +113,8 @@ def _add_serve_parser(sub: Any) -> None:
                        "(default: the model argument, or smollm2-135m)")
     serve.add_argument("--log-interval", type=float, default=10.0, metavar="SECONDS",
                        help="seconds between the engine's status lines")
-    serve.add_argument("--max-request-body-bytes", type=parse_bytes, default=4 << 20,
+    serve.add_argument("--max-request-body-bytes", type=parse_bytes,
+                       default=DEFAULT_MAX_BODY_BYTES,
                        metavar="BYTES", help="larger request bodies get 413 before they are "
                        "read (default 4M)")
     serve.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: far past any prompt a context length allows
+
 
 class InvalidJSON(ValueError):
     """A body that is not strict JSON; `param` is the path of the bad value, if any."""

@@ -44,6 +44,7 @@ from engine.formats import (
     ModelList,
     apply_delta,
 )
+from engine.json_body import DEFAULT_MAX_BODY_BYTES
 from engine.output import RequestDelta
 from engine.streams import Choices, ClientGone, EventStream, until_disconnected
 from scheduler import SamplingParams
@@ -253,7 +254,6 @@ def wire_engine_metrics(engine: AsyncEngine, registry: CollectorRegistry,
     return unwire
 
 
-DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: far past any prompt max_model_len allows
 
 
 def build_app(engine: AsyncEngine, served_model_name: str,

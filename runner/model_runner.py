@@ -151,19 +151,20 @@ class ModelRunner:
         """The largest k the rule allows each request, from the runner's own copy of its
         lengths and max_tokens (a new request's from its NewRequestData): 0 unless
         the chunk reaches its last known token, i.e. samples."""
-        states, num = self.states, len(req_ids)
-        tokens, prompt, computed, limit = (np.zeros(num, dtype=np.int64) for _ in range(4))
+        states = self.states
         new = {data.req_id: data for data in out.scheduled_new_reqs}
+        # Running requests read their own rows (vectorised); new ones, few per step,
+        # come from their NewRequestData (they get a row only after the checks).
+        rows = np.array([0 if rid in new else states.row_of[rid] for rid in req_ids],
+                        dtype=np.int64)
+        tokens, prompt = states.num_tokens[rows], states.num_prompt[rows]
+        computed, limit = states.num_computed[rows], states.max_tokens[rows]
         for i, rid in enumerate(req_ids):
             if rid in new:
                 data = new[rid]
-                tokens[i] = len(data.prompt_token_ids) + len(data.output_token_ids)
-                prompt[i], computed[i] = len(data.prompt_token_ids), data.num_computed_tokens
-                limit[i] = data.sampling_params.max_tokens
-            else:
-                row = states.row_of[rid]
-                tokens[i], prompt[i] = states.num_tokens[row], states.num_prompt[row]
-                computed[i], limit[i] = states.num_computed[row], states.max_tokens[row]
+                prompt[i] = len(data.prompt_token_ids)
+                tokens[i] = prompt[i] + len(data.output_token_ids)
+                computed[i], limit[i] = data.num_computed_tokens, data.sampling_params.max_tokens
         spec = out.scheduled_spec_decode_tokens
         s = np.array([len(spec.get(rid, ())) for rid in req_ids], dtype=np.int64)
         max_k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0

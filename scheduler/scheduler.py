@@ -70,7 +70,7 @@ class Scheduler:
                 f"request {rid!r}: prompt of {num_prompt} tokens leaves no room to "
                 f"generate within max_model_len={max_len} (the prompt must be < {max_len})"
             )
-        # The most this request can ever hold: all its tokens plus draft lookahead.
+        # The most KV this request can ever hold, drafts and lookahead included.
         need = self.kv.blocks_needed(self.max_slots(num_prompt, request.max_tokens))
         if need > self.cache_config.num_blocks:
             raise ValueError(
