@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from scheduler.budget import ChunkPlan, ThrottleRule
-from spec_decode import SpeculativeConfig, get_layout
+from spec_decode import SpeculativeConfig
 
 # Budget of the drafter passes these rules never charge: large enough never to bind.
 UNCHARGED = 1 << 40
@@ -42,10 +42,10 @@ def per_request_reservation(method: str, k: int) -> int:
 
 
 class _ReservingRule(ThrottleRule):
-    """Shared setup: our layout and k rule, plus vLLM's per-method constant S."""
+    """Shared setup: our cost table and k rule, plus vLLM's per-method constant S."""
 
     def __init__(self, spec: SpeculativeConfig, max_model_len: int) -> None:
-        super().__init__(get_layout(spec), spec.num_speculative_tokens, max_model_len)
+        super().__init__(spec.spec_method, spec.num_speculative_tokens, max_model_len)
         self.reservation = per_request_reservation(spec.method, spec.num_speculative_tokens)
 
     def target_budget(self, max_num_batched_tokens: int) -> int:

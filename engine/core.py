@@ -15,30 +15,16 @@ a row (a fault no request explains). Those propagate, and the engine dies (503).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from runner.invariant import BudgetInvariantError
 from runner.model_runner import ModelRunner
 from runner.models.llama import LlamaForCausalLM
-from scheduler import CacheConfig, Request, Scheduler, SchedulerOutput
+from scheduler import CacheConfig, EngineCoreOutput, Request, Scheduler, SchedulerOutput
 from scheduler.request import RequestStatus
 
 logger = logging.getLogger("specbudget.engine")
 MAX_FAILED_STEPS = 8  # in a row, before a fault counts as the engine's own
-
-
-@dataclass
-class StepUpdate:
-    """New tokens of one request this step, and whether it finished."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    # One (token ids, logprobs) per new token, for requests that asked for logprobs.
-    logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
-    error: str | None = None  # finish_reason "error": what failed
 
 
 def is_request_level(err: BaseException) -> bool:
@@ -61,7 +47,6 @@ class EngineCore:
         cache_cfg = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, cache_cfg, config.speculative_config)
         self._check_kv_holds_one_request(num_blocks)
-        self._live: dict[str, tuple[Request, int]] = {}  # request, outputs reported
         self._failed_steps = 0  # in a row
 
     def _check_kv_holds_one_request(self, num_blocks: int) -> None:
@@ -89,22 +74,21 @@ class EngineCore:
             raise ValueError(f"request {request.request_id!r}: prompt_token_ids must be in "
                              f"[0, {vocab}); got {bad[:5]}")
         self.scheduler.add_request(request)
-        self._live[request.request_id] = (request, 0)
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
-        self._live.pop(request_id, None)
 
     def stop_request(self, request_id: str) -> None:
         """End a request the detokenizer found a stop string in: it finished with
         "stop" for the scheduler too, not as an abort (stats agree with the client)."""
         self.scheduler.abort_request(request_id, RequestStatus.FINISHED_STOPPED)
-        self._live.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[StepUpdate]:
+    def step(self) -> list[EngineCoreOutput]:
+        """One step; what each request gained (from the scheduler, the one registry of
+        live requests)."""
         output = self.scheduler.schedule()
         try:
             result = self.runner.execute(output)
@@ -114,10 +98,9 @@ class EngineCore:
             self._failed_steps += 1
             return self._recover(output, err)
         self._failed_steps = 0
-        self.scheduler.update_from_output(output, result)
-        return self._collect(output.num_scheduled_tokens, result.logprobs)
+        return self.scheduler.update_from_output(output, result)
 
-    def _recover(self, output: SchedulerOutput, err: Exception) -> list[StepUpdate]:
+    def _recover(self, output: SchedulerOutput, err: Exception) -> list[EngineCoreOutput]:
         """Trace a failed step to one request if it can, and requeue the rest.
 
         The candidates are the step's suspects, or all its requests if it had none.
@@ -137,27 +120,5 @@ class EngineCore:
         if culprit is None:
             return []
         self.scheduler.abort_request(culprit, RequestStatus.FINISHED_ERROR)
-        self._live.pop(culprit, None)
-        return [StepUpdate(culprit, [], True, "error",
+        return [EngineCoreOutput(culprit, [], True, "error",
                            error=f"the engine failed while running this request: {err!r}")]
-
-    def _collect(self, scheduled: dict[str, int],
-                 logprobs: dict[str, list[tuple[list[int], list[float]]]]
-                 ) -> list[StepUpdate]:
-        updates = []
-        for rid in scheduled:
-            entry = self._live.get(rid)
-            if entry is None:
-                continue
-            request, reported = entry
-            new = request.output_token_ids[reported:]
-            finished = request.is_finished()
-            if new or finished:
-                # A stop condition may have dropped tokens after it: keep theirs aligned.
-                lps = logprobs.get(rid, [])[:len(new)]
-                updates.append(StepUpdate(rid, new, finished, request.finish_reason, lps))
-            if finished:
-                del self._live[rid]
-            else:
-                self._live[rid] = (request, reported + len(new))
-        return updates

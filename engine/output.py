@@ -5,10 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.core import StepUpdate
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
-from scheduler import SamplingParams
+from scheduler import EngineCoreOutput, SamplingParams
 
 Logprobs = tuple[list[int], list[float]]  # sampled token first, then the top n
 
@@ -71,7 +70,7 @@ class OutputProcessor:
         return RequestDelta(request_id, [], tracked.detok.take(final=True), True, "abort",
                             tracked.num_prompt_tokens, len(tracked.detok.token_ids))
 
-    def process(self, updates: list[StepUpdate]
+    def process(self, updates: list[EngineCoreOutput]
                 ) -> tuple[list[RequestDelta], list[str], dict[str, LatencySample]]:
         """Deltas, ids stopped by a stop string (to abort), latency samples."""
         deltas, to_abort, latency = [], [], {}

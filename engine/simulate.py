@@ -108,7 +108,7 @@ class _Table:
         self.scheduler = scheduler
         self.max_rows = max_rows
         self.budget = scheduler.config.max_num_batched_tokens
-        names = ("target",) + (scheduler.layout.pass_names if scheduler.layout else ())
+        names = scheduler.rule.pass_names
         self.names = names
         cells = [f"{'step':>5}", f"{'run':>4}", f"{'wait':>4}"]
         cells += [f"{name + '/B':>13}" for name in names]

@@ -1,10 +1,11 @@
 """Model-based drafting inside the runner's budgeted buffers.
 
-After verification, the drafter builds the method's passes (runner/draft_passes.py)
-into the runner's persistent step buffers (sized by B; the target pass is done with
-them) plus its own hidden-state buffer of B rows, runs its network over its own paged
-KV cache, and reads greedy drafts. Greedy drafting makes q one-hot at each draft, so
-the rejection sampler needs no draft probabilities and stays lossless.
+After verification, the drafter fills the method's passes (spec_decode/passes.py),
+whose rows the runner assembled and checked before the step, into the runner's
+persistent step buffers (sized by B; the target pass is done with them) plus its own
+hidden-state buffer of B rows, runs its network over its own paged KV cache, and reads
+greedy drafts. Greedy drafting makes q one-hot at each draft, so the rejection sampler
+needs no draft probabilities and stays lossless.
 """
 
 from __future__ import annotations
@@ -16,20 +17,18 @@ from runner.attention import AttentionBackend, AttentionMetadata
 from runner.buffers import StepBuffers
 from runner.config import kv_bytes_per_block
 from runner.draft_models import DraftHead, DraftLM, KVCache, load_head_weights
-from runner.draft_passes import MASK_ROW, DraftPass, StepResult, build_passes
-from runner.errors import BudgetInvariantError
+from runner.invariant import StepRows, check_filled
 from runner.model_loader import load_model
 from runner.model_prep import DEFAULT_MODEL_NAME, resolve_model
 from runner.models.llama import LlamaForCausalLM
 from runner.request_states import RequestStates
 from spec_decode import SpeculativeConfig
-
-HEAD_METHODS = ("eagle", "mtp", "parallel", "dflash")
-LM_METHODS = ("draft_model", "pard")
+from spec_decode.passes import MASK_ROW, DraftPass, StepResult, fill_pass, sequential_positions
 
 
 def _make_net(spec: SpeculativeConfig, target: LlamaForCausalLM) -> DraftHead | DraftLM:
-    if spec.method in HEAD_METHODS:
+    """The network the method's `drafter` names: a head on the target, or a draft LM."""
+    if spec.spec_method.drafter == "head":
         head = DraftHead(target, seed=int(spec.options.get("seed", 0)))
         if spec.model not in (None, DEFAULT_MODEL_NAME):
             load_head_weights(head, str(spec.model))
@@ -51,7 +50,7 @@ class ModelDrafter:
     def __init__(self, spec: SpeculativeConfig, target: LlamaForCausalLM,
                  buffers: StepBuffers, states: RequestStates, block_size: int,
                  attn: AttentionBackend, max_num_batched_tokens: int) -> None:
-        self.method = spec.method
+        self.method = spec.spec_method
         self.net = _make_net(spec, target)
         self.buffers, self.states, self.block_size, self.attn = buffers, states, block_size, attn
         cfg = self.net.config
@@ -78,25 +77,20 @@ class ModelDrafter:
     def buffer_bytes(self) -> int:
         return self.hidden.numel() * self.hidden.element_size()
 
-    def _check_built(self, name: str, built: int, counted: dict[str, int]) -> None:
-        """The rows really built must be the rows asserted against the budget."""
-        if built != counted.get(name, 0):
-            raise BudgetInvariantError(
-                f"method={self.method}: pass {name!r} built {built} rows but the step "
-                f"counted {counted.get(name, 0)} before running")
-
     def propose(self, res: StepResult, target_hidden: torch.Tensor,
-                counted: dict[str, int]) -> dict[int, list[int]]:
+                planned: StepRows) -> dict[int, list[int]]:
         """Drafts per scheduled-request index, for every request with k >= 1.
 
-        `counted`: the rows per pass the runner asserted before the step wrote anything;
-        every pass is checked against it once built, before it is run.
+        `planned`: the rows of every pass, assembled and checked before the step wrote
+        anything; now filled with what verification left, and checked again so that no
+        request reads outside its own rows.
         """
-        drafts: dict[int, list[int]] = {int(i): [] for i in np.flatnonzero(res.num_drafts)}
+        drafts: dict[int, list[int]] = {int(i): [] for i in np.flatnonzero(res.num_draft_tokens)}
         last_hidden: dict[int, torch.Tensor] = {}
-        passes = build_passes(self.method, res, self.states.token_ids, self.mask_id)
+        passes = [fill_pass(rows, res, self.states.token_ids, self.mask_id)
+                  for rows in planned.passes]
         for draft_pass in passes:
-            self._check_built(draft_pass.name, draft_pass.num_rows, counted)
+            check_filled(self.method.name, draft_pass, res.q_start, res.num_scheduled)
         for draft_pass in passes:
             if draft_pass.num_rows == 0:
                 continue
@@ -108,19 +102,16 @@ class ModelDrafter:
                                          tokens, read, strict=True):
                     drafts[req].append(token)
                     last_hidden[req] = h
-        if self.method in ("eagle", "mtp", "draft_model"):
-            self._sequential(res, drafts, last_hidden, counted)
+        if self.method.sequential:
+            self._sequential(res, drafts, last_hidden)
         return drafts
 
     def _sequential(self, res: StepResult, drafts: dict[int, list[int]],
-                    last_hidden: dict[int, torch.Tensor], counted: dict[str, int]) -> None:
+                    last_hidden: dict[int, torch.Tensor]) -> None:
         """k - 1 one-row steps: each drafting request feeds its newest draft back."""
-        # eagle's row at p consumes the token at p + 1; draft_model's the token at p.
-        offset = -1 if self.method != "draft_model" else 0
-        for j in range(1, int(res.num_drafts.max(initial=0))):
-            reqs = np.flatnonzero(res.num_drafts > j)
-            self._check_built(f"step_{j}", len(reqs), counted)
-            positions = res.computed[reqs] + res.valid[reqs] + j + offset
+        for j in range(1, int(res.num_draft_tokens.max(initial=0))):
+            reqs = np.flatnonzero(res.num_draft_tokens > j)
+            positions = sequential_positions(self.method, res, j)[reqs]
             tokens = np.array([drafts[int(r)][-1] for r in reqs], dtype=np.int64)
             one_row = np.zeros(len(res.rows), dtype=np.int64)
             one_row[reqs] = 1
@@ -128,7 +119,7 @@ class ModelDrafter:
             starts[reqs] = positions
             step = DraftPass(f"step_{j}", reqs, positions, tokens,
                              np.full(len(reqs), MASK_ROW), one_row, starts,
-                             np.arange(len(reqs)))
+                             np.arange(len(reqs)), one_row)
             hidden = torch.stack([last_hidden[int(r)] for r in reqs])
             out = self._run(step, res, hidden, direct_hidden=True)
             tokens_out = self.net.compute_logits(out).argmax(dim=-1).tolist()

@@ -1,8 +1,9 @@
 """ModelRunner: executes a SchedulerOutput on the model, returns a ModelRunnerOutput.
 
-Per step: sync request state from the output; count every pass the step will build
-(target, and each drafter pass from n and k alone) and assert the budget invariant
-before any buffer write; prepare inputs into the persistent buffers; run the target
+Per step: assemble every pass the step will build (target, each drafter pass and
+one-row step) from the runner's own copy of each request and the method's recipes, and
+assert the budget invariant (runner/invariant.py) before any buffer or state write;
+sync request state from the output; prepare inputs into the persistent buffers; run the target
 forward over the paged KV cache; sample, or verify drafts with the rejection sampler;
 then propose the next drafts (token lookup, or drafter passes in the same buffers).
 """
@@ -19,9 +20,8 @@ import torch
 from runner.attention import AttentionMetadata, get_attention_backend
 from runner.buffers import StepBuffers
 from runner.config import RunnerConfig, kv_bytes_per_block
-from runner.draft_passes import StepResult, pass_rows, sequential_rows
 from runner.input_prep import PreparedStep, prepare_inputs, write_spec_tokens
-from runner.invariant import check_draft_counts, check_pass_rows
+from runner.invariant import StepFacts, StepRows, check_step
 from runner.model_loader import load_model
 from runner.model_prep import resolve_model
 from runner.models.llama import LlamaForCausalLM
@@ -31,6 +31,7 @@ from runner.spec import SpecDecoder
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from spec_decode import SpeculativeConfig
+from spec_decode.passes import StepResult
 
 Logprobs = tuple[list[int], list[float]]
 
@@ -146,43 +147,39 @@ class ModelRunner:
             if self.spec:
                 self.spec.remove_request(req_id, False)
 
-    def _allowed_drafts(self, out: SchedulerOutput, req_ids: list[str],
-                        n: np.ndarray) -> np.ndarray:
-        """The largest k the rule allows each request, from the runner's own copy of its
-        lengths and max_tokens (a new request's from its NewRequestData): 0 unless
-        the chunk reaches its last known token, i.e. samples."""
+    def _step_facts(self, out: SchedulerOutput, req_ids: list[str]) -> StepFacts:
+        """Each scheduled request's counters as the runner holds them (a new request's
+        from its NewRequestData: it gets a row only after the checks), with the KV
+        slots it will own once this step's new blocks are appended."""
         states = self.states
         new = {data.req_id: data for data in out.scheduled_new_reqs}
-        # Running requests read their own rows (vectorised); new ones, few per step,
-        # come from their NewRequestData (they get a row only after the checks).
+        new_blocks = {data.req_id: len(data.new_block_ids) for data in out.scheduled_cached_reqs}
         rows = np.array([0 if rid in new else states.row_of[rid] for rid in req_ids],
                         dtype=np.int64)
         tokens, prompt = states.num_tokens[rows], states.num_prompt[rows]
         computed, limit = states.num_computed[rows], states.max_tokens[rows]
+        blocks = states.num_blocks[rows] + np.array([new_blocks.get(rid, 0) for rid in req_ids],
+                                                    dtype=np.int64)
         for i, rid in enumerate(req_ids):
             if rid in new:
                 data = new[rid]
                 prompt[i] = len(data.prompt_token_ids)
                 tokens[i] = prompt[i] + len(data.output_token_ids)
                 computed[i], limit[i] = data.num_computed_tokens, data.sampling_params.max_tokens
+                blocks[i] = len(data.block_ids)
         spec = out.scheduled_spec_decode_tokens
         s = np.array([len(spec.get(rid, ())) for rid in req_ids], dtype=np.int64)
-        max_k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
-        rule = np.minimum(self.scheduler_config.max_model_len - (tokens + s + 2),
-                          limit - (tokens - prompt + s) - 2)
-        allowed = np.clip(rule, 0, max_k)
-        return np.where(computed + n >= tokens, allowed, 0)
+        return StepFacts(tokens, prompt, computed, limit, s, blocks * self.block_size)
 
-    def _check_budget(self, out: SchedulerOutput, n: np.ndarray, k: np.ndarray) -> None:
-        """Count the rows of every pass this step will build; assert before writing."""
-        counts = {"target": int(n.sum())}
-        method = self.speculative_config.method if self.speculative_config else None
-        if method is not None:
-            counts.update({name: int(r.sum()) for name, r in pass_rows(method, n, k).items()})
-            for j, rows in enumerate(sequential_rows(method, k), start=1):
-                counts[f"step_{j}"] = rows
-        check_pass_rows(method, out.max_num_batched_tokens, counts, out.num_drafter_tokens)
-        self.last_pass_rows = counts
+    def _check_step(self, out: SchedulerOutput, req_ids: list[str], n: np.ndarray,
+                    k: np.ndarray) -> StepRows:
+        spec = self.speculative_config
+        planned = check_step(spec.spec_method if spec else None, out, req_ids, n, k,
+                             self._step_facts(out, req_ids),
+                             spec.num_speculative_tokens if spec else 0,
+                             self.scheduler_config.max_model_len)
+        self.last_pass_rows = planned.counts
+        return planned
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -190,9 +187,7 @@ class ModelRunner:
         n = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         k = np.array([out.num_draft_tokens.get(r, 0) for r in req_ids], dtype=np.int64)
         # Before anything is written, request state included (DESIGN.md §2).
-        self._check_budget(out, n, k)
-        check_draft_counts(self.speculative_config.method if self.speculative_config else None,
-                           req_ids, k, self._allowed_drafts(out, req_ids, n))
+        planned = self._check_step(out, req_ids, n, k)
         self._sync_states(out)
         if not req_ids:
             return ModelRunnerOutput([], [], {}, pass_rows=self.last_pass_rows)
@@ -211,7 +206,7 @@ class ModelRunner:
             emitted, logprobs = self._sample(step, logits, spec)
             result = self._record(step, computed, emitted, k)
         with self._phase("draft"):
-            drafts = (self.spec.propose(result, hidden, req_ids, self.last_pass_rows)
+            drafts = (self.spec.propose(result, hidden, req_ids, planned)
                       if self.spec else {})
         out_tokens: list[list[int]] = [[] for _ in req_ids]
         for j, i in enumerate(np.flatnonzero(step.samples).tolist()):
@@ -302,4 +297,4 @@ class ModelRunner:
         q_start = np.concatenate(([0], np.cumsum(step.num_scheduled)[:-1]))
         return StepResult(rows=step.rows, computed=computed, num_scheduled=step.num_scheduled,
                           q_start=q_start, valid=valid, samples=samples,
-                          num_drafts=np.where(samples, k, 0))
+                          num_draft_tokens=np.where(samples, k, 0))

@@ -1,10 +1,15 @@
 """A model-free runner for simulations, benchmarks and scheduler tests.
 
-It builds every forward pass a real runner would build, as explicit rows of
-(request, position), from its own reading of DESIGN.md §1 (it never asks
-`spec_decode.layout`), counts them, and asserts the budget invariant exactly as the
-real runner does. Tokens come from a seeded generator: each draft is accepted with
-probability `acceptance`, and `eos_prob` ends a request early.
+It runs the real runner's checks (runner/invariant.py) and builds every drafter pass
+with the same assembly code (spec_decode/passes.py), so a scheduler bug that the model
+runner would refuse is refused here too, without a model. Tokens come from a seeded
+generator: each draft is accepted with probability `acceptance`, and `eos_prob` ends
+a request early.
+
+Given `max_model_len`, `num_speculative_tokens` and `block_size` (see
+`for_scheduler`) it re-derives the k rule and bounds every row inside its request's
+KV slots as the model runner does; without them it checks the `max_tokens` cut, the
+rows and the budget only.
 """
 
 from __future__ import annotations
@@ -12,54 +17,39 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from runner.invariant import check_pass_rows
+import numpy as np
+
+from runner.invariant import StepFacts, check_filled, check_step
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from spec_decode.methods import get_method
+from spec_decode.passes import DraftPass, PassRows, StepResult, fill_pass, sequential_positions
 
-Row = tuple[str, int]  # (request id, position)
+if TYPE_CHECKING:
+    from scheduler.scheduler import Scheduler
+
+UNBOUNDED = 1 << 62
 
 
 @dataclass
 class _ReqState:
     num_tokens: int  # known tokens the runner holds (prompt + outputs)
     num_computed: int
+    num_prompt: int
+    max_tokens: int
+    num_blocks: int
 
 
 @dataclass
 class BuiltStep:
-    """The rows of every pass of one step, by pass name."""
+    """The positions of every pass of one step, by pass name."""
 
-    passes: dict[str, list[Row]] = field(default_factory=dict)
+    passes: dict[str, np.ndarray] = field(default_factory=dict)
+    drafter: list[DraftPass] = field(default_factory=list)
 
-    def add(self, name: str, rows: list[Row]) -> None:
-        self.passes.setdefault(name, []).extend(rows)
-
-    def counts(self) -> dict[str, int]:
-        return {name: len(rows) for name, rows in self.passes.items()}
-
-
-def _context(rid: str, start: int, n: int) -> list[Row]:
-    return [(rid, pos) for pos in range(start, start + n)]
-
-
-def _build_drafter(method: str, step: BuiltStep, rid: str, start: int, n: int, k: int) -> None:
-    """Append one request's drafter rows; `start + n` is the bonus token's position."""
-    end = start + n
-    if method in ("eagle", "mtp"):
-        step.add("draft", _context(rid, start, n))
-    elif method == "draft_model":
-        step.add("draft", _context(rid, start, n) + ([(rid, end)] if k else []))
-    elif method == "parallel":
-        step.add("draft", _context(rid, start, n) + _context(rid, end, max(k - 1, 0)))
-    elif method == "pard":
-        step.add("draft", _context(rid, start, n) + _context(rid, end, k))
-    elif method == "dflash":
-        step.add("context", _context(rid, start, n))
-        step.add("query", _context(rid, end, k + 1) if k else [])
-    if method in ("eagle", "mtp", "draft_model"):
-        # Sequential drafting: step i holds one row for each request still drafting.
-        for i in range(1, k):
-            step.add(f"step_{i}", [(rid, end + i)])
+    def max_position(self) -> int:
+        return max((int(p.max()) for p in self.passes.values() if p.size), default=-1)
 
 
 class SimulatedRunner:
@@ -67,65 +57,120 @@ class SimulatedRunner:
 
     def __init__(self, method: str | None, vocab_size: int = 1000, acceptance: float = 0.6,
                  eos_token_id: int | None = None, eos_prob: float = 0.0, seed: int = 0,
-                 propose: Callable[[str, int], list[int]] | None = None) -> None:
-        self.method = method
+                 propose: Callable[[str, int], list[int]] | None = None,
+                 max_model_len: int | None = None, num_speculative_tokens: int | None = None,
+                 block_size: int | None = None) -> None:
+        self.method = get_method(method) if method is not None else None
         self.vocab_size = vocab_size
         self.acceptance = acceptance
         self.eos_token_id = eos_token_id
         self.eos_prob = eos_prob
         self.rng = random.Random(seed)
         self.propose = propose or self._random_drafts
+        self.max_model_len = max_model_len or UNBOUNDED
+        self.max_k = num_speculative_tokens or UNBOUNDED
+        self.block_size = block_size
         self.reqs: dict[str, _ReqState] = {}
         self.last_step: BuiltStep | None = None
 
+    @classmethod
+    def for_scheduler(cls, scheduler: Scheduler, **kwargs: Any) -> SimulatedRunner:
+        """A runner holding the scheduler's limits, so it checks all the model runner
+        checks."""
+        spec = scheduler.speculative_config
+        return cls(spec.method if spec else None,
+                   max_model_len=scheduler.config.max_model_len,
+                   num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                   block_size=scheduler.cache_config.block_size, **kwargs)
+
     def _random_drafts(self, rid: str, k: int) -> list[int]:
         return [self.rng.randrange(self.vocab_size) for _ in range(k)]
+
+    def _facts(self, out: SchedulerOutput, req_ids: list[str]) -> StepFacts:
+        """Each request's counters before the step, as `ModelRunner._step_facts`."""
+        new = {data.req_id: data for data in out.scheduled_new_reqs}
+        new_blocks = {data.req_id: len(data.new_block_ids) for data in out.scheduled_cached_reqs}
+        columns = []
+        for rid in req_ids:
+            if rid in new:
+                data = new[rid]
+                prompt = len(data.prompt_token_ids)
+                columns.append((prompt + len(data.output_token_ids), prompt,
+                                data.num_computed_tokens, data.sampling_params.max_tokens,
+                                len(data.block_ids)))
+            else:
+                st = self.reqs[rid]
+                columns.append((st.num_tokens, st.num_prompt, st.num_computed, st.max_tokens,
+                                st.num_blocks + new_blocks.get(rid, 0)))
+        arr = np.array(columns, dtype=np.int64).reshape(len(req_ids), 5)
+        spec = out.scheduled_spec_decode_tokens
+        s = np.array([len(spec.get(rid, ())) for rid in req_ids], dtype=np.int64)
+        slots = arr[:, 4] * self.block_size if self.block_size else None
+        return StepFacts(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], s, slots)
 
     def _sync(self, out: SchedulerOutput) -> None:
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.reqs.pop(rid, None)
         for new in out.scheduled_new_reqs:
-            known = len(new.prompt_token_ids) + len(new.output_token_ids)
-            self.reqs[new.req_id] = _ReqState(known, new.num_computed_tokens)
+            prompt = len(new.prompt_token_ids)
+            self.reqs[new.req_id] = _ReqState(
+                prompt + len(new.output_token_ids), new.num_computed_tokens, prompt,
+                new.sampling_params.max_tokens, len(new.block_ids))
         for cached in out.scheduled_cached_reqs:
-            self.reqs[cached.req_id].num_computed = cached.num_computed_tokens
-
-    def build(self, out: SchedulerOutput) -> BuiltStep:
-        """Every pass's rows for this step (target, then the drafter's)."""
-        step = BuiltStep({"target": []})
-        for rid, n in out.num_scheduled_tokens.items():
-            state = self.reqs[rid]
-            step.add("target", _context(rid, state.num_computed, n))
-            if self.method is not None:
-                k = out.num_draft_tokens.get(rid, 0)
-                _build_drafter(self.method, step, rid, state.num_computed, n, k)
-        return step
+            state = self.reqs[cached.req_id]
+            state.num_computed = cached.num_computed_tokens
+            state.num_blocks += len(cached.new_block_ids)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        req_ids = list(out.num_scheduled_tokens)
+        n = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        k = np.array([out.num_draft_tokens.get(r, 0) for r in req_ids], dtype=np.int64)
+        facts = self._facts(out, req_ids)
+        planned = check_step(self.method, out, req_ids, n, k, facts, self.max_k,
+                             self.max_model_len)
         self._sync(out)
-        step = self.build(out)
-        check_pass_rows(self.method, out.max_num_batched_tokens, step.counts(),
-                        out.num_drafter_tokens)
-        self.last_step = step
-        req_ids: list[str] = []
         sampled: list[list[int]] = []
         drafts: dict[str, list[int]] = {}
-        for rid, n in out.num_scheduled_tokens.items():
+        valid = n.copy()
+        for i, rid in enumerate(req_ids):
             state = self.reqs[rid]
-            req_ids.append(rid)
-            verified = len(out.scheduled_spec_decode_tokens.get(rid, ()))
-            if state.num_computed + n < state.num_tokens:
+            verified = int(facts.num_spec[i])
+            if state.num_computed + n[i] < state.num_tokens:
                 sampled.append([])  # a prefill chunk that stops short of sampling
-                state.num_computed += n
+                state.num_computed += int(n[i])
                 continue
             tokens = self._verify(out.scheduled_spec_decode_tokens.get(rid, []))
             sampled.append(tokens)
-            state.num_computed += n - (verified - (len(tokens) - 1))
+            valid[i] = n[i] - verified + len(tokens) - 1
+            state.num_computed += int(valid[i])
             state.num_tokens += len(tokens)
-            k = out.num_draft_tokens.get(rid, 0)
-            if k:
-                drafts[rid] = self.propose(rid, k)[:k]
-        return ModelRunnerOutput(req_ids, sampled, drafts, pass_rows=step.counts())
+            if k[i]:
+                drafts[rid] = self.propose(rid, int(k[i]))[:int(k[i])]
+        self.last_step = self._build(planned.passes, facts, n, k, valid,
+                                     np.array([bool(t) for t in sampled], dtype=bool))
+        return ModelRunnerOutput(req_ids, sampled, drafts, pass_rows=planned.counts)
+
+    def _build(self, planned: list[PassRows], facts: StepFacts, n: np.ndarray, k: np.ndarray,
+               valid: np.ndarray, samples: np.ndarray) -> BuiltStep:
+        """Every pass's rows, filled as the model runner fills them, and checked."""
+        c = facts.num_computed
+        starts = np.cumsum(n) - n
+        res = StepResult(np.arange(len(n)), c, n, starts, valid, samples,
+                         np.where(samples, k, 0))
+        step = BuiltStep({"target": np.repeat(c - starts, n) + np.arange(int(n.sum()))})
+        method = self.method
+        if method is None:
+            return step
+        for rows in planned:
+            draft_pass = fill_pass(rows, res, None, 0)
+            check_filled(method.name, draft_pass, res.q_start, n)
+            step.drafter.append(draft_pass)
+            step.passes[draft_pass.name] = draft_pass.positions
+        if method.sequential:
+            for j in range(1, int(res.num_draft_tokens.max(initial=0))):
+                reqs = np.flatnonzero(res.num_draft_tokens > j)
+                step.passes[f"step_{j}"] = sequential_positions(method, res, j)[reqs]
+        return step
 
     def _verify(self, spec: list[int]) -> list[int]:
         """Accept drafts left to right until a rejection; always add one token."""

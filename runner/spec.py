@@ -11,23 +11,14 @@ import torch
 
 from runner.attention import AttentionBackend
 from runner.buffers import StepBuffers
-from runner.draft_passes import StepResult
 from runner.drafter import ModelDrafter
+from runner.invariant import StepRows
 from runner.models.llama import LlamaForCausalLM
 from runner.request_states import RequestStates
 from spec_decode import SpeculativeConfig
+from spec_decode.passes import StepResult
 from spec_decode.proposer import TokenProposer
 from spec_decode.sampling import SamplingMetadata
-
-
-def make_token_proposer(spec: SpeculativeConfig) -> TokenProposer:
-    if spec.method == "ngram":
-        from spec_decode.ngram import NgramProposer
-
-        return NgramProposer.from_config(spec)
-    from spec_decode.suffix import SuffixProposer
-
-    return SuffixProposer.from_config(spec)
 
 
 class SpecDecoder:
@@ -40,8 +31,8 @@ class SpecDecoder:
         self.states = states
         self.proposer: TokenProposer | None = None
         self.drafter: ModelDrafter | None = None
-        if spec.method in ("ngram", "suffix"):
-            self.proposer = make_token_proposer(spec)
+        if spec.spec_method.drafter is None:
+            self.proposer = spec.spec_method.make_proposer(spec)
         else:
             self.drafter = ModelDrafter(spec, target, buffers, states, block_size, attn,
                                         max_num_batched_tokens)
@@ -82,15 +73,15 @@ class SpecDecoder:
         return [[t for t in row if t >= 0] for row in out.tolist()]
 
     def propose(self, res: StepResult, target_hidden: torch.Tensor, req_ids: list[str],
-                counted: dict[str, int]) -> dict[str, list[int]]:
+                planned: StepRows) -> dict[str, list[int]]:
         """Next drafts for every request that samples with k >= 1."""
-        drafting = np.flatnonzero(res.num_drafts)
+        drafting = np.flatnonzero(res.num_draft_tokens)
         if self.proposer is not None:
             states = self.states
             return {req_ids[i]: self.proposer.propose(
                         req_ids[i], states.token_ids[res.rows[i], :states.num_tokens[res.rows[i]]],
-                        int(res.num_drafts[i]))[:int(res.num_drafts[i])]
+                        int(res.num_draft_tokens[i]))[:int(res.num_draft_tokens[i])]
                     for i in drafting.tolist()}
         assert self.drafter is not None
-        by_index = self.drafter.propose(res, target_hidden, counted)
-        return {req_ids[i]: by_index[i][:int(res.num_drafts[i])] for i in drafting.tolist()}
+        by_index = self.drafter.propose(res, target_hidden, planned)
+        return {req_ids[i]: by_index[i][:int(res.num_draft_tokens[i])] for i in drafting.tolist()}

@@ -4,11 +4,18 @@ Never imports torch: it plans work, the runner does it.
 """
 
 from scheduler.config import CacheConfig, SchedulerConfig
-from scheduler.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from scheduler.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from scheduler.request import Request, RequestStatus, SamplingParams
 from scheduler.scheduler import Scheduler
 
 __all__ = [
-    "CacheConfig", "CachedRequestData", "ModelRunnerOutput", "NewRequestData", "Request",
-    "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput",
+    "CacheConfig", "CachedRequestData", "EngineCoreOutput", "ModelRunnerOutput",
+    "NewRequestData", "Request", "RequestStatus", "SamplingParams", "Scheduler",
+    "SchedulerConfig", "SchedulerOutput",
 ]

@@ -1,19 +1,19 @@
 """The throttle: per-pass budgets and the largest chunk a request may take.
 
-Pure decisions (`num_drafts`, `plan_chunk`) are separate from the mutable
+Pure decisions (`k_rule`, `plan_chunk`) are separate from the mutable
 `StepBudget`, so a policy can be computed and tested without touching state.
 
 One step runs the target pass and each drafter pass of the method; every one starts
 with B = max_num_batched_tokens rows. A request scheduled with n tokens that proposes
-k drafts puts n rows in the target pass and `layout.rows(n, k)` in the drafter's.
+k drafts puts n rows in the target pass and `method.rows(n, k)` in the drafter's (the
+method's cost table, spec_decode/methods/).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from spec_decode import SpeculativeConfig, min_decode_rows
-from spec_decode.layout import DrafterLayout
+from spec_decode import SpecMethod, SpeculativeConfig, min_decode_rows
 
 
 @dataclass(frozen=True)
@@ -22,10 +22,10 @@ class ChunkPlan:
 
     num_tokens: int
     num_spec: int
-    num_drafts: int
+    num_draft_tokens: int  # k
     rows: tuple[int, ...]  # per pass: target first, then the drafter's passes
     lookahead: int
-    # k the rule allowed; above num_drafts only when the adaptive policy cut k to fit.
+    # k the rule allowed; above num_draft_tokens only when the adaptive policy cut k to fit.
     rule_drafts: int = 0
 
 
@@ -40,7 +40,7 @@ class RequestView:
     max_tokens: int
 
 
-def num_drafts(max_k: int, max_model_len: int, req: RequestView, num_spec: int) -> int:
+def k_rule(max_k: int, max_model_len: int, req: RequestView, num_spec: int) -> int:
     """k for a request that samples this step after verifying `num_spec` (s) drafts.
 
     Both cuts take the worst case: this step emits up to s + 1 tokens and the next
@@ -57,14 +57,15 @@ def num_drafts(max_k: int, max_model_len: int, req: RequestView, num_spec: int) 
 class ThrottleRule:
     """Rows charged per pass for a chunk; swapped for vLLM's rules in benchmarks."""
 
-    def __init__(self, layout: DrafterLayout | None, max_k: int, max_model_len: int,
+    def __init__(self, method: SpecMethod | None, max_k: int, max_model_len: int,
                  adaptive: bool = False) -> None:
-        self.layout = layout
-        self.max_k = max_k if layout is not None else 0
+        self.method = method
+        self.max_k = max_k if method is not None else 0
         self.max_model_len = max_model_len
         # Adaptive ("fit"): a sampling chunk whose k does not fit may propose fewer.
         self.adaptive = adaptive
-        self.context = (True,) + (layout.context_passes if layout else ())
+        self.context = (True,) + (method.context_passes if method else ())
+        self.pass_names = ("target",) + (method.pass_names if method else ())
 
     @property
     def num_passes(self) -> int:
@@ -74,17 +75,12 @@ class ThrottleRule:
         """Rows each pass may take in a fresh step; every pass gets all of B."""
         return [max_num_batched_tokens] * self.num_passes
 
-    def extras(self, k: int) -> tuple[int, ...]:
-        """Rows beyond the n context rows, per pass (target first)."""
-        return (0,) + (self.layout.extra_rows(k) if self.layout else ())
-
-    def lookahead(self, k: int) -> int:
-        return self.layout.lookahead_slots(k) if self.layout else 0
-
     def plan(self, n: int, num_spec: int, k: int) -> ChunkPlan:
-        rows = tuple((n if ctx else 0) + extra
-                     for ctx, extra in zip(self.context, self.extras(k)))
-        return ChunkPlan(n, num_spec, k, rows, self.lookahead(k), k)
+        """The method's cost table, target pass first."""
+        method = self.method
+        if method is None:
+            return ChunkPlan(n, num_spec, k, (n,), 0, k)
+        return ChunkPlan(n, num_spec, k, (n, *method.rows(n, k)), method.lookahead_slots(k), k)
 
 
 def plan_chunk(rule: ThrottleRule, remaining: list[int], req: RequestView,
@@ -104,11 +100,11 @@ def plan_chunk(rule: ThrottleRule, remaining: list[int], req: RequestView,
     linear = min([max_chunk] + [rem for rem, ctx in zip(remaining, rule.context) if ctx])
     for n in range(linear, first - 1, -1):
         s = n - first
-        k_rule = num_drafts(rule.max_k, rule.max_model_len, req, s)
-        for k in range(k_rule, -1, -1) if rule.adaptive else (k_rule,):
+        k_max = k_rule(rule.max_k, rule.max_model_len, req, s)
+        for k in range(k_max, -1, -1) if rule.adaptive else (k_max,):
             plan = rule.plan(n, s, k)
             if _fits(plan, remaining):
-                return plan if k == k_rule else replace(plan, rule_drafts=k_rule)
+                return plan if k == k_max else replace(plan, rule_drafts=k_max)
     if not allow_partial:
         return None
     # A chunk that does not sample: rules that charge a fixed extra per request
@@ -155,7 +151,7 @@ def check_budget_config(rule: ThrottleRule, spec: SpeculativeConfig | None,
     admit nothing forever.
     """
     max_k, budget = rule.max_k, max_num_batched_tokens
-    names = ("target",) + (rule.layout.pass_names if rule.layout else ())
+    names = rule.pass_names
     rows = rule.plan(1 + max_k, max_k, max_k).rows
     for name, need, have in zip(names, rows, rule.initial_budget(budget)):
         if need <= have:

@@ -76,3 +76,20 @@ class ModelRunnerOutput:
     # Per request asking for logprobs, one (token ids, logprobs) per emitted token: the
     # emitted token first, then the top n (verification emits several per step).
     logprobs: dict[str, list[tuple[list[int], list[float]]]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one request gained in one step, as the scheduler recorded it.
+
+    `new_token_ids` stop at the first stop condition; `logprobs` holds one
+    (token ids, logprobs) per new token for a request that asked. `finish_reason` is
+    set once `finished` ("error" with `error` saying what failed).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    error: str | None = None

@@ -19,11 +19,17 @@ from scheduler.budget import (
 )
 from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from scheduler.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import make_queue
 from scheduler.stats import SchedulerStats
-from spec_decode import SpeculativeConfig, get_layout
+from spec_decode import SpeculativeConfig
 
 
 class Scheduler:
@@ -35,10 +41,10 @@ class Scheduler:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.speculative_config = speculative_config
-        self.layout = get_layout(speculative_config)
+        self.method = speculative_config.spec_method if speculative_config else None
         max_k = speculative_config.num_speculative_tokens if speculative_config else 0
         adaptive = speculative_config is not None and speculative_config.draft_policy == "fit"
-        self.rule = rule or ThrottleRule(self.layout, max_k, scheduler_config.max_model_len,
+        self.rule = rule or ThrottleRule(self.method, max_k, scheduler_config.max_model_len,
                                          adaptive)
         check_budget_config(self.rule, speculative_config, scheduler_config.max_num_batched_tokens)
         self.kv = KVCacheManager(cache_config)
@@ -284,7 +290,7 @@ class Scheduler:
     def _make_output(self, charges: dict[str, ChunkPlan], new_reqs: list[NewRequestData],
                      cached_reqs: list[CachedRequestData], spec_tokens: dict[str, list[int]],
                      preempted: set[str]) -> SchedulerOutput:
-        names = ("target",) + (self.layout.pass_names if self.layout else ())
+        names = self.rule.pass_names
         pass_rows = dict.fromkeys(names, 0)
         for plan in charges.values():
             for name, rows in zip(names, plan.rows):
@@ -297,11 +303,11 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=pass_rows["target"],
             scheduled_spec_decode_tokens=spec_tokens,
-            num_draft_tokens={rid: plan.num_drafts for rid, plan in charges.items()
-                              if plan.num_drafts},
+            num_draft_tokens={rid: plan.num_draft_tokens for rid, plan in charges.items()
+                              if plan.num_draft_tokens},
             num_drafter_tokens=max((pass_rows[n] for n in names[1:]), default=0),
             adapted_draft_tokens={rid: plan.rule_drafts for rid, plan in charges.items()
-                                  if plan.rule_drafts > plan.num_drafts},
+                                  if plan.rule_drafts > plan.num_draft_tokens},
             pass_rows=pass_rows,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             spec_method=self.speculative_config.method if self.speculative_config else None,
@@ -312,15 +318,18 @@ class Scheduler:
     # ---- results back ----------------------------------------------------------
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> None:
-        """Advance requests by what the step produced.
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance requests by what the step produced; return what each one gained.
 
         Rejected drafts roll `num_computed_tokens` back (their KV is stale); accepted
-        ones and the bonus/recovered token become outputs; the new drafts wait for
-        the next step to verify them.
+        ones and the bonus/recovered token become outputs, up to the first stop
+        condition (tokens after it are dropped, with their logprobs); the new drafts
+        wait for the next step to verify them. The returned outputs are the only way
+        the engine learns of new tokens: it never reads the requests.
         """
         self._check_runner_output(scheduler_output, runner_output)
         index = {rid: i for i, rid in enumerate(runner_output.req_ids)}
+        outputs: list[EngineCoreOutput] = []
         finished = False
         for rid in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(rid)
@@ -330,6 +339,7 @@ class Scheduler:
             request.suspect = request.suspect and not sampled  # cleared by a whole step
             verified = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
             self._roll_back_rejected(request, sampled, verified)
+            num_before = request.num_output_tokens
             status = self._append_tokens(request, sampled)
             # Cache before a finish frees the blocks, so a one-token request's prompt
             # still serves later prefix hits.
@@ -337,10 +347,16 @@ class Scheduler:
             if status is not None:
                 self._finish(request, status)
                 finished = True
-                continue
-            request.spec_token_ids = list(runner_output.draft_token_ids.get(rid, ()))
+            else:
+                request.spec_token_ids = list(runner_output.draft_token_ids.get(rid, ()))
+            new = request.output_token_ids[num_before:]
+            if new or status is not None:
+                outputs.append(EngineCoreOutput(
+                    rid, new, status is not None, request.finish_reason,
+                    runner_output.logprobs.get(rid, [])[:len(new)]))
         if finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return outputs
 
     @staticmethod
     def _check_runner_output(out: SchedulerOutput, result: ModelRunnerOutput) -> None:

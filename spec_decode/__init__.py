@@ -1,9 +1,10 @@
-"""Speculative decoding: config and per-method drafter layouts (torch-free imports)."""
+"""Speculative decoding: config and the per-method cost tables and pass recipes
+(torch-free imports)."""
 
-from spec_decode.config import DRAFT_POLICIES, METHODS, SpeculativeConfig
-from spec_decode.layout import DrafterLayout, get_layout, min_decode_rows
+from spec_decode.config import DRAFT_POLICIES, METHODS, SpeculativeConfig, min_decode_rows
+from spec_decode.methods import SpecMethod, get_method
 
 __all__ = [
-    "DRAFT_POLICIES", "METHODS", "DrafterLayout", "SpeculativeConfig", "get_layout",
+    "DRAFT_POLICIES", "METHODS", "SpecMethod", "SpeculativeConfig", "get_method",
     "min_decode_rows",
 ]

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-METHODS = ("ngram", "suffix", "eagle", "mtp", "draft_model", "parallel", "pard", "dflash")
+from spec_decode.methods import SpecMethod, get_method, method_names
+
+METHODS = method_names()
 DRAFT_POLICIES = ("fixed", "fit")
 
 
@@ -56,6 +58,11 @@ class SpeculativeConfig:
                 f"(got {self.prompt_lookup_min}, {self.prompt_lookup_max})"
             )
 
+    @property
+    def spec_method(self) -> SpecMethod:
+        """The method's cost table, pass recipes and proposer (spec_decode/methods/)."""
+        return get_method(self.method)
+
     @classmethod
     def from_dict(cls, spec: dict[str, Any] | None) -> SpeculativeConfig | None:
         """Build from a vLLM-style `speculative_config` dict; None means off."""
@@ -69,3 +76,16 @@ class SpeculativeConfig:
         kwargs = {key: value for key, value in spec.items() if key in known}
         options = {key: value for key, value in spec.items() if key not in known}
         return cls(**kwargs, options=options)
+
+
+def min_decode_rows(config: SpeculativeConfig) -> dict[str, int]:
+    """Rows of each pass for one decoding request verifying and proposing all K drafts.
+
+    `max_num_batched_tokens` below the largest of these cannot serve even one request
+    at full speculation, so the scheduler refuses it at start.
+    """
+    k = config.num_speculative_tokens
+    method = config.spec_method
+    rows = {"target": 1 + k}
+    rows.update(zip(method.pass_names, method.rows(1 + k, k)))
+    return rows

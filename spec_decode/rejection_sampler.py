@@ -100,7 +100,8 @@ class DraftLayout:
         return len(self.num_draft_tokens)
 
     @property
-    def num_drafts(self) -> int:
+    def total_drafts(self) -> int:
+        """Draft tokens of all requests together."""
         return int(self.cu_host[-1])
 
 
@@ -217,7 +218,7 @@ def draw_random(
     (seed, position) instead (`_seeded_draws`), so its tokens never depend on the batch
     nor on how many drafts it verifies.
     """
-    uniforms = torch.rand(layout.num_drafts, dtype=torch.float32,
+    uniforms = torch.rand(layout.total_drafts, dtype=torch.float32,
                           device=target_probs.device)  # [D]
     p_at_drafts = target_probs[layout.draft_rows]  # [D, V]
     if draft_probs is None:
@@ -318,7 +319,7 @@ def _check_shapes(layout: DraftLayout, draft_token_ids: torch.Tensor,
                   draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
                   sampling: SamplingMetadata) -> None:
     """Shape checks only (host metadata, no device sync)."""
-    num_drafts, num_reqs = layout.num_drafts, layout.num_reqs
+    num_drafts, num_reqs = layout.total_drafts, layout.num_reqs
     if draft_token_ids.shape != (num_drafts,):
         raise ValueError(f"draft_token_ids has shape {tuple(draft_token_ids.shape)}, "
                          f"expected ({num_drafts},) = sum(num_draft_tokens)")

@@ -8,8 +8,8 @@ import pytest
 
 from runner import BudgetInvariantError, check_pass_rows
 from runner.simulated import SimulatedRunner
-from scheduler.budget import RequestView, StepBudget, ThrottleRule, num_drafts, plan_chunk
-from spec_decode import METHODS, SpeculativeConfig, get_layout
+from scheduler.budget import RequestView, StepBudget, ThrottleRule, k_rule, plan_chunk
+from spec_decode import METHODS, SpeculativeConfig
 from tests.helpers import drain, make_request, make_scheduler, run_step
 
 # DESIGN.md §1, restated: rows of each drafter pass for n scheduled tokens, k drafts.
@@ -28,9 +28,8 @@ TABLE = {
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("n,k", [(1, 0), (7, 0), (1, 1), (5, 4), (3, 2)])
 def test_layout_matches_design_table(method: str, n: int, k: int) -> None:
-    layout = get_layout(SpeculativeConfig(method, 4))
-    assert layout is not None
-    assert dict(zip(layout.pass_names, layout.rows(n, k))) == TABLE[method](n, k)
+    spec_method = SpeculativeConfig(method, 4).spec_method
+    assert dict(zip(spec_method.pass_names, spec_method.rows(n, k))) == TABLE[method](n, k)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -149,8 +148,7 @@ def test_drafts_stop_at_max_model_len() -> None:
         out, _ = run_step(sched, runner)
         ks.append(out.num_draft_tokens.get("r", 0))
         assert runner.last_step is not None
-        for rows in runner.last_step.passes.values():
-            assert all(pos < 64 for _, pos in rows)
+        assert runner.last_step.max_position() < 64
     assert ks == [0]  # 61 tokens + 2 accepted + 1 bonus = 64: the last step drafts nothing
     assert request.num_tokens == 64 and request.finish_reason == "length"
 
@@ -160,11 +158,11 @@ def test_k_rule_counts_verified_drafts_in_both_cuts() -> None:
     view = RequestView(num_computed_tokens=20, num_tokens=21, num_spec_tokens=3,
                        num_output_tokens=5, max_tokens=12)
     # max_tokens cut: 12 - (5 + 3) - 2 = 2; without s it would be 5.
-    assert num_drafts(4, 1000, view, 3) == 2
+    assert k_rule(4, 1000, view, 3) == 2
     # max_model_len cut: 30 - (21 + 3 + 2) = 4, and 29 - 26 = 3.
-    assert num_drafts(8, 30, replace(view, max_tokens=100), 3) == 4
-    assert num_drafts(8, 29, replace(view, max_tokens=100), 3) == 3
-    assert num_drafts(8, 26, replace(view, max_tokens=100), 3) == 0
+    assert k_rule(8, 30, replace(view, max_tokens=100), 3) == 4
+    assert k_rule(8, 29, replace(view, max_tokens=100), 3) == 3
+    assert k_rule(8, 26, replace(view, max_tokens=100), 3) == 0
 
 
 def test_drafts_cut_by_remaining_max_tokens() -> None:
@@ -211,7 +209,7 @@ def test_query_pass_full_leaves_a_decode_waiting_not_overflowing() -> None:
 
 def test_plan_chunk_is_largest_fit() -> None:
     """Against brute force: the chosen n is the largest n whose rows fit every pass."""
-    rule = ThrottleRule(get_layout(SpeculativeConfig("pard", 4)), 4, 100)
+    rule = ThrottleRule(SpeculativeConfig("pard", 4).spec_method, 4, 100)
     for remaining in ([9, 9], [20, 12], [6, 30], [3, 3], [50, 7]):
         for computed, tokens, spec in ((0, 30, 0), (29, 30, 4), (10, 30, 0), (95, 96, 2)):
             req = RequestView(computed, tokens, spec, 1, 50)
@@ -219,7 +217,7 @@ def test_plan_chunk_is_largest_fit() -> None:
             fits = []
             for n in range(1, tokens + spec - computed + 1):
                 s = max(0, n - (tokens - computed))
-                k = num_drafts(4, 100, req, s) if n >= tokens - computed else 0
+                k = k_rule(4, 100, req, s) if n >= tokens - computed else 0
                 rows = (n, n + k if k else n)
                 if all(r <= rem for r, rem in zip(rows, remaining)):
                     fits.append(n)
@@ -227,7 +225,7 @@ def test_plan_chunk_is_largest_fit() -> None:
 
 
 def test_step_budget_refund_is_exact() -> None:
-    rule = ThrottleRule(get_layout(SpeculativeConfig("dflash", 4)), 4, 100)
+    rule = ThrottleRule(SpeculativeConfig("dflash", 4).spec_method, 4, 100)
     budget = StepBudget(rule, 64)
     a = rule.plan(5, 4, 4)
     b = rule.plan(10, 0, 0)

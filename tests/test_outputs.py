@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import functools
 
-from engine.core import StepUpdate
 from engine.detokenizer import IncrementalDetokenizer
 from engine.output import OutputProcessor
 from engine.tokenizer import Tokenizer
 from runner.model_prep import resolve_model
-from scheduler import SamplingParams
+from scheduler import EngineCoreOutput, SamplingParams
 
 
 @functools.cache
@@ -28,7 +27,7 @@ def test_stop_string_inside_a_multi_token_step_drops_the_tokens_after_it() -> No
     processor = OutputProcessor(tok)
     processor.add("r", 3, SamplingParams(stop=(".",)))
     logprobs = [([t], [-0.5]) for t in ids]
-    deltas, to_abort, _ = processor.process([StepUpdate("r", ids, False, None, logprobs)])
+    deltas, to_abort, _ = processor.process([EngineCoreOutput("r", ids, False, None, logprobs)])
     (delta,) = deltas
     assert to_abort == ["r"] and delta.finished and delta.finish_reason == "stop"
     assert delta.new_token_ids == ids[:stop_at]
@@ -41,7 +40,7 @@ def test_stop_string_inside_a_multi_token_step_drops_the_tokens_after_it() -> No
     one.add("r", 3, SamplingParams(stop=(".",)))
     seen: list[int] = []
     for t in ids:
-        (d,), _, _ = one.process([StepUpdate("r", [t], False, None, [([t], [-0.5])])])
+        (d,), _, _ = one.process([EngineCoreOutput("r", [t], False, None, [([t], [-0.5])])])
         seen += d.new_token_ids
         if d.finished:
             break
@@ -53,7 +52,7 @@ def test_stop_string_wins_over_a_length_finish_in_the_same_step() -> None:
     ids = tok.encode(" Paris. It")
     processor = OutputProcessor(tok)
     processor.add("r", 3, SamplingParams(stop=(".",)))
-    (delta,), to_abort, _ = processor.process([StepUpdate("r", ids, True, "length")])
+    (delta,), to_abort, _ = processor.process([EngineCoreOutput("r", ids, True, "length")])
     assert delta.finish_reason == "stop" and to_abort == []  # the engine already ended it
     assert delta.delta_text == " Paris"
 

@@ -135,7 +135,7 @@ def test_vectorised_walk_matches_a_loop(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     num_drafts = torch.randint(0, 5, (7,), generator=gen).tolist()
     layout = DraftLayout.build(num_drafts, "cpu")
-    num_total = layout.num_drafts
+    num_total = layout.total_drafts
     drafts = torch.randint(0, VOCAB, (num_total,), generator=gen)
     target_probs = torch.softmax(torch.randn(num_total + 7, VOCAB, generator=gen), dim=-1)
     draws = RandomDraws(

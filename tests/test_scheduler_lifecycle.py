@@ -144,8 +144,7 @@ def test_never_exceeds_max_model_len(method: str | None) -> None:
         assert request.num_tokens <= max_len
         # No row of any pass (target, drafter, mask/query rows) sits at or past the limit.
         assert runner.last_step is not None
-        for rows in runner.last_step.passes.values():
-            assert all(pos < max_len for _, pos in rows)
+        assert runner.last_step.max_position() < max_len
     assert request.num_tokens == max_len
     assert request.finish_reason == "length"
     _assert_idle_and_clean(scheduler)
@@ -770,3 +769,25 @@ def test_priority_preemption_offers_the_refund_to_requests_already_planned() -> 
     assert all(rows <= 7 for rows in out.pass_rows.values())
     sched.kv.pool.check_integrity()
     drain(sched, runner)
+
+
+def test_update_from_output_reports_what_each_request_gained() -> None:
+    """The engine learns new tokens only from these outputs: tokens up to the first
+    stop condition, with their logprobs trimmed alongside, and the finish."""
+    from scheduler import ModelRunnerOutput
+
+    scheduler = make_scheduler("ngram", k=2)
+    scheduler.add_request(make_request("a", 6, max_tokens=10))
+    out = scheduler.schedule()
+    lp = ([1], [-0.1])
+    (first,) = scheduler.update_from_output(
+        out, ModelRunnerOutput(["a"], [[5]], {"a": [6, 2]}, logprobs={"a": [lp]}))
+    assert (first.new_token_ids, first.finished, first.logprobs) == ([5], False, [lp])
+    out = scheduler.schedule()
+    assert out.scheduled_spec_decode_tokens == {"a": [6, 2]}
+    (last,) = scheduler.update_from_output(
+        out, ModelRunnerOutput(["a"], [[6, 2, 9]], logprobs={"a": [lp, lp, lp]}))
+    assert last.new_token_ids == [6, 2]  # eos 2 stops it; 9 is dropped
+    assert last.logprobs == [lp, lp]
+    assert (last.finished, last.finish_reason) == (True, "stop")
+    assert scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput([], [])) == []

@@ -74,8 +74,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                                 enable_prefix_caching=not (shadow and method in ("eagle", "mtp")))
         self.sched = Scheduler(sched_cfg, cache_cfg, spec)
         propose = (lambda rid, n: []) if empty_proposer else None
-        self.runner = SimulatedRunner(method, vocab_size=50, acceptance=acceptance,
-                                      eos_token_id=2, eos_prob=0.03, seed=seed, propose=propose)
+        # The runner re-derives the k rule and bounds rows in their KV slots, as the
+        # model runner does: the scheduler must satisfy both on every step.
+        self.runner = SimulatedRunner.for_scheduler(
+            self.sched, vocab_size=50, acceptance=acceptance, eos_token_id=2, eos_prob=0.03,
+            seed=seed, propose=propose)
         self.shadow: tuple[Scheduler, SimulatedRunner] | None = None
         if shadow:
             self.shadow = (Scheduler(sched_cfg, cache_cfg, None),
@@ -218,8 +221,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _check_positions(self) -> None:
         step = self.runner.last_step
         assert step is not None
-        for rows in step.passes.values():
-            assert all(pos < MAX_MODEL_LEN for _, pos in rows)
+        assert step.max_position() < MAX_MODEL_LEN
 
     def _step_shadow(self, out, abort: str | None) -> None:  # type: ignore[no-untyped-def]
         assert self.shadow is not None

@@ -1,0 +1,89 @@
+"""One speculative method in one place: what it costs, how its passes are built, and
+how its proposer is made.
+
+A method answers two questions, on purpose in two independent ways:
+
+- the **cost table** (`extra_rows`, `lookahead_slots`): what the scheduler charges for
+  one request that is scheduled n tokens and proposes k drafts (DESIGN.md §1);
+- the **recipes** (`recipes`, `sequential`): how the runner assembles each drafter pass
+  row by row (`spec_decode/passes.py`), from which it counts the rows it really built.
+
+The runner checks one against the other every step (`runner/invariant.py`), so a
+mistake in either is a `BudgetInvariantError` before any buffer write, never an
+out-of-bounds read. Keep them separate: deriving one from the other would make that
+check compare a number with itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from spec_decode.config import SpeculativeConfig
+    from spec_decode.proposer import TokenProposer
+
+
+@dataclass(frozen=True)
+class PassRecipe:
+    """How one drafter pass lays out one request's rows (positions are contiguous).
+
+    Segments, in order: the chunk's n context rows (`context`), then, only for a
+    request that drafts (k >= 1), the bonus token's row (`bonus`) and k + `masks`
+    mask rows (`masks` None: no mask rows). After verification the context segment
+    holds L real tokens then n - L padding rows, and the padding moves to the end.
+    A pass without context rows starts at the bonus position, c + L.
+    """
+
+    name: str
+    context: bool = True
+    bonus: bool = False
+    masks: int | None = None
+    shift: int = 0  # 1: the row at position p carries the token at p + 1 (EAGLE)
+    conditioned: bool = False  # context rows read the target's hidden state
+    reads: str = "none"  # drafts read here: "none", "one" (then sequential), "all" (k)
+    read_skip: int = 0  # rows past the bonus token's row where reading starts
+
+
+class SpecMethod:
+    """Base class; one subclass per method, registered by name (methods/__init__.py)."""
+
+    name: ClassVar[str]
+    # Which network the runner builds: None (token lookup), "head" (a target-conditioned
+    # head) or "lm" (an independent draft LM).
+    drafter: ClassVar[str | None] = None
+    recipes: ClassVar[tuple[PassRecipe, ...]] = ()
+    # After the first pass, k - 1 one-row steps per drafting request feed each new
+    # draft back. Never charged: one row never exceeds the n >= 1 of the first pass.
+    sequential: ClassVar[bool] = False
+
+    @property
+    def pass_names(self) -> tuple[str, ...]:
+        return tuple(recipe.name for recipe in self.recipes)
+
+    @property
+    def context_passes(self) -> tuple[bool, ...]:
+        return tuple(recipe.context for recipe in self.recipes)
+
+    # ---- the cost table (what the scheduler charges) -----------------------------
+
+    def extra_rows(self, k: int) -> tuple[int, ...]:
+        """Rows beyond the n context rows that proposing k drafts adds to each pass."""
+        return tuple(0 for _ in self.recipes)
+
+    def rows(self, n: int, k: int) -> tuple[int, ...]:
+        """Rows one request puts in each pass of `pass_names`, in that order."""
+        return tuple((n if recipe.context else 0) + extra
+                     for recipe, extra in zip(self.recipes, self.extra_rows(k)))
+
+    def lookahead_slots(self, k: int) -> int:
+        """KV slots the drafter writes beyond the chunk's last position this step."""
+        return 0
+
+    # ---- the proposer --------------------------------------------------------------
+
+    def make_proposer(self, config: SpeculativeConfig) -> TokenProposer:
+        """The token-lookup proposer (ngram, suffix); model methods draft in the runner
+        through the network named by `drafter`."""
+        raise TypeError(f"method {self.name!r} drafts with a {self.drafter} network in the "
+                        "runner, not with a token proposer")

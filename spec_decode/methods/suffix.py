@@ -1,0 +1,23 @@
+"""suffix: drafts from a suffix tree over the request's tokens and earlier responses.
+No forward pass, so no drafter rows and no KV slots past the chunk."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from spec_decode.methods import register
+from spec_decode.methods.base import SpecMethod
+
+if TYPE_CHECKING:
+    from spec_decode.config import SpeculativeConfig
+    from spec_decode.proposer import TokenProposer
+
+
+@register
+class SuffixMethod(SpecMethod):
+    name = "suffix"
+
+    def make_proposer(self, config: SpeculativeConfig) -> TokenProposer:
+        from spec_decode.suffix import SuffixProposer
+
+        return SuffixProposer.from_config(config)

@@ -1,0 +1,154 @@
+"""Drafter passes assembled row by row from a method's recipes (numpy only).
+
+Two stages, so that the runner can count and bound every row before it writes
+anything, and fill them only once verification says what they hold:
+
+1. `assemble_rows` (before the step): per request and pass, how many rows of each
+   segment (context, bonus, masks) the recipe lays out for n scheduled tokens and k
+   drafts. Their sum is what the runner counts against B and against the charge.
+2. `fill_pass` (after verification): the same rows, now with positions, token ids and
+   hidden-state sources: L real tokens (L = n - s + accepted), the bonus token, mask
+   rows, then padding that only fills positions the drafter overwrites before it
+   reads them (they sit at or past the first position the next step recomputes).
+
+Per request: c = computed before the step, n = scheduled, L = valid positions after
+verification (n when the chunk does not sample), k = drafts to propose. The real
+runner and `SimulatedRunner` both build their passes here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from spec_decode.methods import PassRecipe, SpecMethod
+
+MASK_ROW = -1  # hidden_src of a row with no target hidden state (mask / query rows)
+
+
+@dataclass
+class StepResult:
+    """Per scheduled request (scheduled order), what verification left behind."""
+
+    rows: np.ndarray  # [R] rows of the token-id array (the runner's state rows)
+    computed: np.ndarray  # [R] c
+    num_scheduled: np.ndarray  # [R] n
+    q_start: np.ndarray  # [R] first target-pass row of each request
+    valid: np.ndarray  # [R] L
+    samples: np.ndarray  # [R] bool
+    num_draft_tokens: np.ndarray  # [R] k (0 when not sampling)
+
+
+@dataclass
+class PassRows:
+    """One pass's rows per request, by segment, before the step runs."""
+
+    recipe: PassRecipe
+    context: np.ndarray  # [R] n, or 0 for a pass without context rows
+    bonus: np.ndarray  # [R] 1 for a drafting request whose recipe has a bonus row
+    masks: np.ndarray  # [R] mask rows
+
+    @property
+    def name(self) -> str:
+        return self.recipe.name
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self.context + self.bonus + self.masks
+
+    @property
+    def total(self) -> int:
+        return int(self.rows.sum())
+
+
+@dataclass
+class DraftPass:
+    """One pass's rows; `readout` lists the rows whose outputs become drafts."""
+
+    name: str
+    req_index: np.ndarray  # [rows] scheduled-request index of each row
+    positions: np.ndarray  # [rows]
+    token_ids: np.ndarray  # [rows]
+    hidden_src: np.ndarray  # [rows] target-pass row to read, or MASK_ROW
+    rows_per_req: np.ndarray  # [R]
+    starts: np.ndarray  # [R] first position of each request's rows
+    readout: np.ndarray  # [sum drafts read here] pass-row indices, request-major
+    reads_per_req: np.ndarray  # [R] drafts each request reads here
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.positions)
+
+    @property
+    def slice_starts(self) -> np.ndarray:
+        """[R] first pass row of each request's slice."""
+        return np.cumsum(self.rows_per_req) - self.rows_per_req
+
+
+def assemble_rows(method: SpecMethod, n: np.ndarray, k: np.ndarray) -> list[PassRows]:
+    """Each wide pass's segments per request, from the method's recipes."""
+    drafting = (k > 0).astype(np.int64)
+    zero = np.zeros_like(n)
+    passes = []
+    for recipe in method.recipes:
+        masks = (zero if recipe.masks is None
+                 else drafting * np.maximum(k + recipe.masks, 0))
+        passes.append(PassRows(recipe, n if recipe.context else zero,
+                               drafting if recipe.bonus else zero, masks))
+    return passes
+
+
+def sequential_rows(method: SpecMethod, k: np.ndarray) -> list[int]:
+    """Rows of each one-row-per-request step after the first pass (steps 1 .. k - 1)."""
+    if not method.sequential:
+        return []
+    return [int((k > j).sum()) for j in range(1, int(k.max(initial=0)))]
+
+
+def fill_pass(plan: PassRows, res: StepResult, token_ids: np.ndarray | None,
+              mask_id: int) -> DraftPass:
+    """The pass's rows with their contents; `token_ids` [rows, len] (None: zeros).
+
+    Worked example, rows [3, 2], real [2, 2], masks [1, 0], starts [5, 0]:
+      req_index = [0, 0, 0, 1, 1]; j = [0, 1, 2, 0, 1]; positions = [5, 6, 7, 0, 1]
+      kinds     = [tok, tok, mask, tok, tok]
+    """
+    recipe, rows = plan.recipe, plan.rows
+    c, L, k = res.computed, res.valid, res.num_draft_tokens
+    context_real = L if recipe.context else np.zeros_like(L)
+    real = context_real + plan.bonus
+    starts = c if recipe.context else c + L
+    num = len(rows)
+    cu = np.cumsum(rows)
+    req_index = np.repeat(np.arange(num), rows)
+    j = np.arange(int(cu[-1]) if num else 0) - np.repeat(cu - rows, rows)
+    positions = starts[req_index] + j
+    is_tok = j < real[req_index]
+    is_mask = ~is_tok & (j < (real + plan.masks)[req_index])
+    if token_ids is None:
+        tokens = np.where(is_mask, mask_id, 0)
+    else:
+        tok_pos = np.minimum(positions + recipe.shift, token_ids.shape[1] - 1)
+        tokens = np.where(is_tok, token_ids[res.rows[req_index], tok_pos],
+                          np.where(is_mask, mask_id, 0))
+    # Conditioned rows read the target's hidden state at the same position.
+    target_row = res.q_start[req_index] + (positions - c[req_index])
+    hidden_src = np.where(is_tok & recipe.conditioned, target_row, MASK_ROW)
+    num_read = {"none": np.zeros_like(k), "one": (k > 0).astype(np.int64), "all": k}
+    read = num_read[recipe.reads]
+    # The row whose input is the bonus token (at c + L), then `read_skip` rows on.
+    read_from = (c + L - recipe.shift) - starts + recipe.read_skip
+    read_req = np.repeat(np.arange(num), read)
+    read_j = np.arange(int(read.sum())) - np.repeat(np.cumsum(read) - read, read)
+    readout = (cu - rows)[read_req] + read_from[read_req] + read_j
+    return DraftPass(recipe.name, req_index, positions, tokens.astype(np.int64),
+                     hidden_src, rows, starts, readout, read)
+
+
+def sequential_positions(method: SpecMethod, res: StepResult, j: int) -> np.ndarray:
+    """Position of each drafting request's row in one-row step j (>= 1): the j-th
+    draft's position, less the recipe's shift (eagle's row at p takes the token at
+    p + 1)."""
+    shift = method.recipes[0].shift
+    return res.computed + res.valid + j - shift
