@@ -78,7 +78,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[tuple[list[int], list[float]]]] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)  # one per request per step: keep it cheap
 class EngineCoreOutput:
     """What one request gained in one step, as the scheduler recorded it.
 
@@ -93,3 +93,16 @@ class EngineCoreOutput:
     finish_reason: str | None
     logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
     error: str | None = None
+
+
+def check_runner_output(out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+    """Refuse a malformed runner output before any request state changes."""
+    missing = set(out.num_scheduled_tokens) - set(result.req_ids)
+    if missing or len(result.sampled_token_ids) != len(result.req_ids):
+        raise ValueError(f"runner output lacks scheduled requests {sorted(missing)} or "
+                         "has sampled_token_ids out of step with req_ids")
+    for rid, drafts in result.draft_token_ids.items():
+        limit = out.num_draft_tokens.get(rid, 0)
+        if len(drafts) > limit:
+            raise ValueError(f"runner proposed {len(drafts)} drafts for {rid!r}; the "
+                             f"step charged num_draft_tokens={limit}")

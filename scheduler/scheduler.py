@@ -25,6 +25,7 @@ from scheduler.outputs import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    check_runner_output,
 )
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import make_queue
@@ -327,9 +328,10 @@ class Scheduler:
         wait for the next step to verify them. The returned outputs are the only way
         the engine learns of new tokens: it never reads the requests.
         """
-        self._check_runner_output(scheduler_output, runner_output)
+        check_runner_output(scheduler_output, runner_output)
         index = {rid: i for i, rid in enumerate(runner_output.req_ids)}
         outputs: list[EngineCoreOutput] = []
+        logprobs = runner_output.logprobs
         finished = False
         for rid in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(rid)
@@ -351,25 +353,13 @@ class Scheduler:
                 request.spec_token_ids = list(runner_output.draft_token_ids.get(rid, ()))
             new = request.output_token_ids[num_before:]
             if new or status is not None:
+                done = status is not None
                 outputs.append(EngineCoreOutput(
-                    rid, new, status is not None, request.finish_reason,
-                    runner_output.logprobs.get(rid, [])[:len(new)]))
+                    rid, new, done, request.finish_reason if done else None,
+                    logprobs[rid][:len(new)] if rid in logprobs else []))
         if finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
-
-    @staticmethod
-    def _check_runner_output(out: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """Refuse a malformed runner output before any request state changes."""
-        missing = set(out.num_scheduled_tokens) - set(result.req_ids)
-        if missing or len(result.sampled_token_ids) != len(result.req_ids):
-            raise ValueError(f"runner output lacks scheduled requests {sorted(missing)} or "
-                             "has sampled_token_ids out of step with req_ids")
-        for rid, drafts in result.draft_token_ids.items():
-            limit = out.num_draft_tokens.get(rid, 0)
-            if len(drafts) > limit:
-                raise ValueError(f"runner proposed {len(drafts)} drafts for {rid!r}; the "
-                                 f"step charged num_draft_tokens={limit}")
 
     def _roll_back_rejected(self, request: Request, sampled: list[int], verified: int) -> None:
         if not sampled:

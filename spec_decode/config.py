@@ -7,7 +7,7 @@ from typing import Any
 
 from spec_decode.methods import SpecMethod, get_method, method_names
 
-METHODS = method_names()
+METHODS = method_names()  # the methods shipped here; the registry may hold more
 DRAFT_POLICIES = ("fixed", "fit")
 
 
@@ -36,10 +36,10 @@ class SpeculativeConfig:
     options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
+        if self.method not in method_names():
             raise ValueError(
                 f"SpeculativeConfig.method={self.method!r} is not supported; "
-                f"choose one of {', '.join(METHODS)}"
+                f"choose one of {', '.join(method_names())}"
             )
         if self.num_speculative_tokens < 1:
             raise ValueError(

@@ -15,6 +15,17 @@ def test_scheduler_overhead_quick(tmp_path: Path) -> None:
     assert all(row["median_us"] > 0 for row in report["results"])
 
 
+def test_scheduler_ab_against_head_quick(tmp_path: Path) -> None:
+    """The two-tree A/B runs (against HEAD itself here) and reports every ratio."""
+    from benchmarks import scheduler_ab
+
+    report = scheduler_ab.main(["--quick", "--base", "HEAD", "--out", str(tmp_path / "a.json")])
+    assert [row["method"] for row in report["results"]] == ["off", "eagle", "dflash"]
+    for row in report["results"]:
+        assert row["base_median_us"] > 0 and row["head_median_us"] > 0
+        assert row["ratio_median_us"] == round(row["head_median_us"] / row["base_median_us"], 3)
+
+
 def test_throttle_tightness_quick(tmp_path: Path) -> None:
     report = throttle_tightness.main(["--quick", "--out", str(tmp_path / "t.json")])
     rows = [r for r in report["results"] if r["status"] == "ok"]

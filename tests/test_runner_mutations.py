@@ -26,7 +26,7 @@ from runner.simulated import SimulatedRunner
 from scheduler import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.budget import ThrottleRule
 from spec_decode import SpeculativeConfig
-from spec_decode.methods import PassRecipe, get_method
+from spec_decode.methods import PassRecipe, SpecMethod, get_method
 from tests.server_helpers import default_model
 
 B, K, MAX_MODEL_LEN, BLOCK = 64, 4, 128, 16
@@ -217,3 +217,41 @@ def test_every_method_assembles_its_cost_table() -> None:
 def test_recipe_masks_are_what_the_design_table_says() -> None:
     assert get_method("dflash").recipes[1] == PassRecipe(
         "query", context=False, bonus=True, masks=0, reads="all", read_skip=1)
+
+
+class EchoMethod(SpecMethod):
+    """A method defined outside the package, as a user's one new file would: a head
+    pass of the context plus k + 1 query-like rows in a second pass."""
+
+    name = "echo_test"
+    drafter = "head"
+    recipes = (PassRecipe("draft", shift=1, conditioned=True),
+               PassRecipe("block", context=False, bonus=True, masks=0, reads="all",
+                          read_skip=1))
+
+    def extra_rows(self, k: int) -> tuple[int, ...]:
+        return (0, k + 1 if k else 0)
+
+    def lookahead_slots(self, k: int) -> int:
+        return k + 1 if k else 0
+
+
+def test_a_new_method_is_one_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registering one class is all the scheduler and the runners need: the config
+    accepts it, B is checked against its cost, the scheduler charges it and the
+    simulated runner assembles, bounds and checks its passes for a whole run."""
+    from spec_decode import methods
+    from tests.helpers import drain, make_request, make_scheduler
+
+    monkeypatch.setitem(methods._REGISTRY, EchoMethod.name, EchoMethod())
+    with pytest.raises(ValueError, match=r"'draft': 5, 'block': 5"):
+        make_scheduler(EchoMethod.name, k=4, budget=4)
+    sched = make_scheduler(EchoMethod.name, k=4, budget=32, max_model_len=64)
+    runner = SimulatedRunner.for_scheduler(sched, acceptance=0.7)
+    for i in range(6):
+        sched.add_request(make_request(f"r{i}", 10 + 7 * i, max_tokens=30))
+    out = sched.schedule()
+    assert set(out.pass_rows) == {"target", "draft", "block"}
+    sched.update_from_output(out, runner.execute(out))
+    drain(sched, runner)
+    assert runner.last_step is not None and runner.last_step.max_position() < 64
