@@ -10,13 +10,16 @@ needs no draft probabilities and stays lossless.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
 from runner.attention import AttentionBackend, AttentionMetadata
 from runner.buffers import StepBuffers
 from runner.config import kv_bytes_per_block
-from runner.draft_models import DraftHead, DraftLM, KVCache, load_head_weights
+from runner.draft_models import DraftLM, KVCache
+from runner.eagle3 import Eagle3Config, Eagle3Head, load_eagle3
 from runner.invariant import StepRows, check_filled
 from runner.model_loader import load_model
 from runner.model_prep import DEFAULT_MODEL_NAME, resolve_model
@@ -25,14 +28,26 @@ from runner.request_states import RequestStates
 from spec_decode import SpeculativeConfig
 from spec_decode.passes import MASK_ROW, DraftPass, StepResult, fill_pass, sequential_positions
 
+RANDOM_HEAD = "random"  # `"model": "random"`: an untrained head, for layouts and benchmarks
+RANDOM_HEAD_VOCAB = 8192
 
-def _make_net(spec: SpeculativeConfig, target: LlamaForCausalLM) -> DraftHead | DraftLM:
+
+def _make_head(spec: SpeculativeConfig, target: LlamaForCausalLM) -> Eagle3Head:
+    """An EAGLE-3 head: loaded from the checkpoint dir `spec.model`, or random."""
+    if spec.model in (None, DEFAULT_MODEL_NAME, RANDOM_HEAD):
+        config = Eagle3Config.for_target(target.config,
+                                         min(RANDOM_HEAD_VOCAB, target.config.vocab_size))
+        head = Eagle3Head(config, target, seed=int(spec.options.get("seed", 0)))
+    else:
+        head = load_eagle3(Path(str(spec.model)), target)
+    weight = target.lm_head.weight
+    return head.to(device=weight.device, dtype=weight.dtype)
+
+
+def _make_net(spec: SpeculativeConfig, target: LlamaForCausalLM) -> Eagle3Head | DraftLM:
     """The network the method's `drafter` names: a head on the target, or a draft LM."""
     if spec.spec_method.drafter == "head":
-        head = DraftHead(target, seed=int(spec.options.get("seed", 0)))
-        if spec.model not in (None, DEFAULT_MODEL_NAME):
-            load_head_weights(head, str(spec.model))
-        return head.to(device=target.lm_head.weight.device, dtype=target.lm_head.weight.dtype)
+        return _make_head(spec, target)
     if spec.model in (None, DEFAULT_MODEL_NAME):
         return DraftLM(target)  # the default model drafts for itself: shared weights
     weight = target.lm_head.weight
@@ -74,16 +89,22 @@ class ModelDrafter:
                           for _ in range(self.net.num_layers)]
 
     @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """Target layers whose inputs the head reads (none for a draft LM)."""
+        return self.net.head_config.aux_layer_ids if isinstance(self.net, Eagle3Head) else ()
+
+    @property
     def buffer_bytes(self) -> int:
         return self.hidden.numel() * self.hidden.element_size()
 
-    def propose(self, res: StepResult, target_hidden: torch.Tensor,
+    def propose(self, res: StepResult, target_features: torch.Tensor,
                 planned: StepRows) -> dict[int, list[int]]:
         """Drafts per scheduled-request index, for every request with k >= 1.
 
-        `planned`: the rows of every pass, assembled and checked before the step wrote
-        anything; now filled with what verification left, and checked again so that no
-        request reads outside its own rows.
+        `target_features`: the target's aux features per target-pass row (a head's
+        input; unused by a draft LM). `planned`: the rows of every pass, assembled and
+        checked before the step wrote anything; now filled with what verification
+        left, and checked again so that no request reads outside its own rows.
         """
         drafts: dict[int, list[int]] = {int(i): [] for i in np.flatnonzero(res.num_draft_tokens)}
         last_hidden: dict[int, torch.Tensor] = {}
@@ -94,10 +115,10 @@ class ModelDrafter:
         for draft_pass in passes:
             if draft_pass.num_rows == 0:
                 continue
-            out = self._run(draft_pass, res, target_hidden)
+            out = self._run(draft_pass, res, target_features)
             if len(draft_pass.readout):
                 read = out[torch.as_tensor(draft_pass.readout, device=out.device)]
-                tokens = self.net.compute_logits(read).argmax(dim=-1).tolist()
+                tokens = self.net.greedy_tokens(read).tolist()
                 for req, token, h in zip(draft_pass.req_index[draft_pass.readout].tolist(),
                                          tokens, read, strict=True):
                     drafts[req].append(token)
@@ -122,7 +143,7 @@ class ModelDrafter:
                              np.arange(len(reqs)), one_row)
             hidden = torch.stack([last_hidden[int(r)] for r in reqs])
             out = self._run(step, res, hidden, direct_hidden=True)
-            tokens_out = self.net.compute_logits(out).argmax(dim=-1).tolist()
+            tokens_out = self.net.greedy_tokens(out).tolist()
             for i, r in enumerate(reqs.tolist()):
                 drafts[r].append(tokens_out[i])
                 last_hidden[r] = out[i]
@@ -134,10 +155,11 @@ class ModelDrafter:
         rows = draft_pass.num_rows
         if direct_hidden:
             self.hidden[:rows] = hidden_in
-        elif isinstance(self.net, DraftHead):
+        elif isinstance(self.net, Eagle3Head):
+            # Context rows: fc(target features at their position); mask rows: learned.
             src = torch.as_tensor(draft_pass.hidden_src, device=self.hidden.device)
             masked = src == MASK_ROW
-            self.hidden[:rows] = hidden_in[src.clamp(min=0)]
+            self.hidden[:rows] = self.net.project(hidden_in[src.clamp(min=0)])
             self.hidden[:rows][masked] = self.net.mask_hidden.detach()
         ids = self.buffers.input_ids.copy_to_device(rows)
         pos = self.buffers.positions.copy_to_device(rows)

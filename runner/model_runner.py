@@ -199,14 +199,14 @@ class ModelRunner:
                                   self.block_size)
             computed = self.states.num_computed[step.rows].copy()
         with self._phase("forward"):
-            hidden = self._forward(step)
+            hidden, features = self._forward(step)
             logits_idx = self.buffers.logits_indices.copy_to_device(step.num_logits)
             logits = self.model.compute_logits(hidden[logits_idx])  # [num_logits, V]
         with self._phase("sample"):
             emitted, logprobs = self._sample(step, logits, spec)
             result = self._record(step, computed, emitted, k)
         with self._phase("draft"):
-            drafts = (self.spec.propose(result, hidden, req_ids, planned)
+            drafts = (self.spec.propose(result, features, req_ids, planned)
                       if self.spec else {})
         out_tokens: list[list[int]] = [[] for _ in req_ids]
         for j, i in enumerate(np.flatnonzero(step.samples).tolist()):
@@ -214,7 +214,8 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids, out_tokens, drafts, pass_rows=self.last_pass_rows,
                                  logprobs=logprobs)
 
-    def _forward(self, step: PreparedStep) -> torch.Tensor:
+    def _forward(self, step: PreparedStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states, and the aux features the drafter's head reads."""
         buffers, n, num_reqs = self.buffers, step.num_tokens, len(step.req_ids)
         meta = AttentionMetadata(
             num_actual_tokens=n,
@@ -230,7 +231,9 @@ class ModelRunner:
         )
         input_ids = buffers.input_ids.copy_to_device(n)
         positions = buffers.positions.copy_to_device(n)
-        return self.model(input_ids, positions, self.kv_caches, meta, self.attn)
+        aux_ids = self.spec.aux_layer_ids if self.spec else ()
+        return self.model.forward_with_aux(input_ids, positions, self.kv_caches, meta,
+                                           self.attn, aux_ids)
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         states = self.states

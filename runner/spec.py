@@ -41,6 +41,11 @@ class SpecDecoder:
         # Triton kernels on CUDA, the torch reference elsewhere.
         self.rejection = make_rejection_sampler(target.lm_head.weight.device)
 
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """Target layers whose inputs the drafter reads (an EAGLE-3 head's three)."""
+        return self.drafter.aux_layer_ids if self.drafter else ()
+
     def kv_bytes_per_block(self) -> int:
         return self.drafter.kv_bytes_per_block() if self.drafter else 0
 
@@ -72,7 +77,7 @@ class SpecDecoder:
         out = self.rejection.forward(flat, [len(d) for d in drafts], None, logits, meta)
         return [[t for t in row if t >= 0] for row in out.tolist()]
 
-    def propose(self, res: StepResult, target_hidden: torch.Tensor, req_ids: list[str],
+    def propose(self, res: StepResult, target_features: torch.Tensor, req_ids: list[str],
                 planned: StepRows) -> dict[str, list[int]]:
         """Next drafts for every request that samples with k >= 1."""
         drafting = np.flatnonzero(res.num_draft_tokens)
@@ -83,5 +88,5 @@ class SpecDecoder:
                         int(res.num_draft_tokens[i]))[:int(res.num_draft_tokens[i])]
                     for i in drafting.tolist()}
         assert self.drafter is not None
-        by_index = self.drafter.propose(res, target_hidden, planned)
+        by_index = self.drafter.propose(res, target_features, planned)
         return {req_ids[i]: by_index[i][:int(res.num_draft_tokens[i])] for i in drafting.tolist()}

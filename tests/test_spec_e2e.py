@@ -147,27 +147,32 @@ def test_logprobs_one_per_emitted_token(model: LlamaForCausalLM, method: str | N
     assert multi == (method is not None)
 
 
-def test_head_weights_load_from_safetensors(model: LlamaForCausalLM, tmp_path: Any) -> None:
-    """A trained head is a safetensors file named by the speculative config's model."""
+def test_head_round_trips_through_its_checkpoint_dir(model: LlamaForCausalLM,
+                                                    tmp_path: Any) -> None:
+    """A head saved in the EAGLE-3 layout is what `"model": DIR` loads, tensor for
+    tensor; a dir that is not such a head is refused, naming what is missing."""
+    from runner.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
+
+    head = Eagle3Head(Eagle3Config.for_target(model.config, 512), model, seed=7)
+    with torch.no_grad():
+        head.d2t.copy_(torch.arange(512) * 3)  # draft id i -> target id 4i
+    save_eagle3(head, tmp_path / "head")
+    llm = LLM(loaded_model=model, num_kv_blocks=8, max_model_len=96, speculative_config={
+        "method": "eagle", "num_speculative_tokens": 2, "model": str(tmp_path / "head")})
+    loaded = llm.engine.runner.spec.drafter.net  # type: ignore[union-attr]
+    for (name, want), (_, got) in zip(head.state_dict().items(),
+                                      loaded.state_dict().items(), strict=True):
+        assert torch.equal(want, got), name
+    (out,) = llm.generate(["The capital of France is"], PARAMS)
+    assert "Paris" in out.outputs[0].text  # lossless whatever the head drafts
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "head" / "config.json").rename(tmp_path / "bad" / "config.json")
     from safetensors.torch import save_file
 
-    from runner.draft_models import DraftHead
-
-    head = DraftHead(model, seed=7)
-    path = tmp_path / "head.safetensors"
-    save_file({name: p.detach().contiguous() for name, p in head.named_parameters()},
-              str(path))
-    llm = LLM(loaded_model=model, num_kv_blocks=8, max_model_len=96, speculative_config={
-        "method": "eagle", "num_speculative_tokens": 2, "model": str(path)})
-    loaded = llm.engine.runner.spec.drafter.net  # type: ignore[union-attr]
-    for (name, want), (_, got) in zip(head.named_parameters(), loaded.named_parameters(),
-                                      strict=True):
-        assert torch.equal(want, got), name
-    save_file({"fc.weight": torch.zeros(1)}, str(tmp_path / "bad.safetensors"))
-    with pytest.raises(ValueError, match="do not match"):
+    save_file({"fc.weight": torch.zeros(1)}, str(tmp_path / "bad" / "model.safetensors"))
+    with pytest.raises(ValueError, match="not an EAGLE-3 head: missing"):
         LLM(loaded_model=model, num_kv_blocks=8, max_model_len=96, speculative_config={
-            "method": "eagle", "num_speculative_tokens": 2,
-            "model": str(tmp_path / "bad.safetensors")})
+            "method": "eagle", "num_speculative_tokens": 2, "model": str(tmp_path / "bad")})
 
 
 @pytest.mark.parametrize("method", ["pard", "dflash", "eagle"])

@@ -151,16 +151,19 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     """Q/K/V projections, RoPE, paged attention through the backend, output projection."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, in_features: int | None = None) -> None:
+        """`in_features`: the projections' input width, when not the hidden size (an
+        EAGLE-3 head attends over [embedding; hidden], twice as wide)."""
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        width = in_features or hidden
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -257,14 +260,26 @@ class LlamaForCausalLM(nn.Module):
         kv_caches[i] = (key_cache, value_cache) of layer i, each
         [num_blocks, block_size, num_kv_heads, head_dim].
         """
+        return self.forward_with_aux(input_ids, positions, kv_caches, meta, attn, ())[0]
+
+    def forward_with_aux(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                         meta: AttentionMetadata, attn: AttentionBackend,
+                         aux_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, plus the inputs of the layers in `aux_layer_ids` concatenated:
+        [T, len(aux_layer_ids) * hidden], what an EAGLE-3 head reads."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for "
                              f"{len(self.model.layers)} layers")
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self._rope_cos_sin(positions, x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        aux = []
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            if i in aux_layer_ids:
+                aux.append(x)
             x = layer(x, cos, sin, kv_cache, meta, attn)
-        return self.model.norm(x)
+        features = torch.cat(aux, dim=-1) if aux else x[:, :0]
+        return self.model.norm(x), features
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in fp32 (sampling wants fp32)."""

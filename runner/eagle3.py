@@ -1,0 +1,234 @@
+"""EAGLE-3 draft head, in the layout published EAGLE-3 checkpoints use.
+
+The head reads three of the target's hidden states per position (the inputs of a low,
+a middle and a high layer, `aux_layer_ids`), concatenated and projected by `fc` to
+one hidden state, and the embedding of the next token. Its one decoder layer
+(`midlayer`) normalises each half on its own (`input_layernorm` for the embedding,
+`hidden_norm` for the hidden state), attends over their concatenation (q/k/v take
+2·hidden inputs), keeps the hidden state as the residual, and an LM head over a
+reduced draft vocabulary gives draft ids, mapped to target ids by `d2t` (target id =
+draft id + d2t[draft id]). Later drafting steps feed the head's own output hidden
+state back instead of fc(target features), as EAGLE-3 does.
+
+Files: `config.json` (HF Llama fields plus `draft_vocab_size` and
+`eagle_config.eagle_aux_hidden_state_layer_ids`) and `model.safetensors` with
+`fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t` (and optionally
+`t2d`, `embed_tokens.weight`). Heads for methods with mask rows (parallel, dflash)
+also carry `mask_hidden`, the hidden state a mask row starts from.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from runner.attention import AttentionBackend, AttentionMetadata
+from runner.models.llama import (
+    LlamaAttention,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaMLP,
+    RMSNorm,
+    rope_inv_freq,
+)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight", "d2t")
+OPTIONAL = ("t2d", "embed_tokens.weight", "mask_hidden")
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """Low, middle and high: the inputs of layers 2, L/2 and L - 3 (EAGLE-3's choice)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """A head's architecture: the target's Llama fields, its draft vocabulary and the
+    target layers it reads."""
+
+    llama: LlamaConfig  # hidden size, heads, RoPE etc. (its vocab_size: the target's)
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+
+    @classmethod
+    def for_target(cls, target: LlamaConfig, draft_vocab_size: int) -> Eagle3Config:
+        return cls(replace(target, num_hidden_layers=1, tie_word_embeddings=False),
+                   draft_vocab_size, default_aux_layers(target.num_hidden_layers))
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], target: LlamaConfig) -> Eagle3Config:
+        fields = {"num_hidden_layers": 1, "tie_word_embeddings": False,
+                  "head_dim": cfg.get("head_dim") or
+                  cfg["hidden_size"] // cfg["num_attention_heads"],
+                  "max_position_embeddings": cfg.get("max_position_embeddings",
+                                                     target.max_position_embeddings)}
+        llama = LlamaConfig.from_hf({**cfg, **fields})
+        eagle = cfg.get("eagle_config") or {}
+        aux = tuple(eagle.get("eagle_aux_hidden_state_layer_ids")
+                    or default_aux_layers(target.num_hidden_layers))
+        return cls(llama, int(cfg.get("draft_vocab_size") or cfg["vocab_size"]), aux)
+
+    def to_hf(self) -> dict[str, Any]:
+        c = self.llama
+        return {
+            "architectures": [ARCHITECTURE], "model_type": "llama",
+            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": 1, "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+            "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+            "max_position_embeddings": c.max_position_embeddings,
+            "vocab_size": c.vocab_size, "draft_vocab_size": self.draft_vocab_size,
+            "tie_word_embeddings": False,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)},
+        }
+
+
+class Eagle3Layer(nn.Module):
+    """The head's decoder layer over [norm(embedding); norm(hidden)]."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, in_features=2 * hidden)
+        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                attn: AttentionBackend) -> torch.Tensor:
+        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
+        h = hidden + self.self_attn(x, cos, sin, kv_cache, meta, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    """See the module docstring. The target's embedding is shared unless the
+    checkpoint brings its own."""
+
+    def __init__(self, config: Eagle3Config, target: LlamaForCausalLM,
+                 seed: int | None = 0) -> None:
+        super().__init__()
+        c = config.llama
+        self.head_config = config
+        self._target = [target]  # a list: not registered, the target stays the owner
+        self.fc = nn.Linear(len(config.aux_layer_ids) * c.hidden_size, c.hidden_size,
+                            bias=False)
+        self.midlayer = Eagle3Layer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, config.draft_vocab_size, bias=False)
+        self.mask_hidden = nn.Parameter(torch.zeros(c.hidden_size))
+        self.d2t: torch.Tensor
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.embed_tokens: nn.Embedding | None = None
+        self._inv_freq: torch.Tensor | None = None
+        if seed is not None:
+            gen = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for param in self.parameters():
+                    if param.dim() == 2:
+                        param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+
+    @property
+    def config(self) -> LlamaConfig:
+        return self.head_config.llama
+
+    @property
+    def num_layers(self) -> int:
+        return 1
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        table = self.embed_tokens or self._target[0].model.embed_tokens
+        return table(token_ids)
+
+    def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """[R, 3H] target features -> [R, H], the hidden state of a context row."""
+        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+
+    def forward(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata,
+                attn: AttentionBackend) -> torch.Tensor:
+        """token_ids, positions [R]; hidden [R, H] (projected, or the head's own
+        output) -> output hidden [R, H], before the final norm."""
+        embeds = self.embed(token_ids).to(hidden.dtype)
+        cos, sin = self.rope(positions, hidden.dtype)
+        return self.midlayer(embeds, hidden, cos, sin, kv_caches[0], meta, attn)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] at these positions."""
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            self._inv_freq = rope_inv_freq(self.config, positions.device)
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> fp32 logits over the draft vocabulary."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Target token ids of the greedy drafts at these rows."""
+        return self.to_target_ids(self.compute_logits(hidden).argmax(dim=-1))
+
+
+def save_eagle3(head: Eagle3Head, out_dir: Path, extra: dict[str, Any] | None = None) -> None:
+    """Write config.json + model.safetensors in the published layout."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = head.head_config.to_hf()
+    if extra:
+        config["specbudget"] = extra
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    state = {name: t.detach().cpu().contiguous() for name, t in head.state_dict().items()}
+    save_file(state, str(out_dir / "model.safetensors"))
+
+
+def load_eagle3(path: Path, target: LlamaForCausalLM) -> Eagle3Head:
+    """A head from a checkpoint dir, strictly: every required tensor with its shape,
+    optional ones as listed, nothing else."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    config = Eagle3Config.from_hf(cfg, target.config)
+    tc = target.config
+    if config.llama.hidden_size != tc.hidden_size or config.llama.vocab_size != tc.vocab_size:
+        raise ValueError(f"{path}: head for hidden_size={config.llama.hidden_size}, "
+                         f"vocab_size={config.llama.vocab_size}; the target has "
+                         f"{tc.hidden_size}, {tc.vocab_size}")
+    if max(config.aux_layer_ids) >= tc.num_hidden_layers:
+        raise ValueError(f"{path}: reads target layers {config.aux_layer_ids}; the target "
+                         f"has {tc.num_hidden_layers}")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    head = Eagle3Head(config, target, seed=None)
+    if "embed_tokens.weight" in state:
+        head.embed_tokens = nn.Embedding(tc.vocab_size, tc.hidden_size)
+    own = head.state_dict()
+    missing = sorted(k for k in own if k not in state and k not in OPTIONAL)
+    unexpected = sorted(k for k in state if k not in own and k not in OPTIONAL)
+    if missing or unexpected:
+        raise ValueError(f"{path}: not an EAGLE-3 head: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    for name, tensor in state.items():
+        if name in own and tensor.shape != own[name].shape:
+            raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(own[name].shape)}")
+    head.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+    return head.eval()

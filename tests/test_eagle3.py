@@ -1,0 +1,122 @@
+"""The EAGLE-3 head: a checkpoint written by hand in the published layout (the tensor
+names and config fields a real EAGLE-3 head for a Llama target carries) loads, drafts
+target ids through its d2t map, and serves; the target exposes the three layers' inputs
+it reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from runner.eagle3 import default_aux_layers, load_eagle3
+from runner.models.llama import LlamaForCausalLM
+from scheduler import SamplingParams
+from tests.server_helpers import default_model
+
+DRAFT_VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return default_model()
+
+
+def write_published_layout(path: Path, target: LlamaForCausalLM, aux: list[int]) -> None:
+    """config.json and model.safetensors named as published EAGLE-3 heads name them."""
+    from safetensors.torch import save_file
+
+    c = target.config
+    hidden, heads, kv, dim = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, \
+        c.head_dim
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": hidden, "intermediate_size": 256, "num_hidden_layers": 1,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": dim,
+        "rms_norm_eps": 1e-5, "rope_theta": c.rope_theta, "vocab_size": c.vocab_size,
+        "draft_vocab_size": DRAFT_VOCAB, "max_position_embeddings": 2048,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux}}))
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.02
+
+    tensors = {
+        "fc.weight": rand(hidden, 3 * hidden),
+        "midlayer.input_layernorm.weight": torch.ones(hidden),
+        "midlayer.hidden_norm.weight": torch.ones(hidden),
+        "midlayer.self_attn.q_proj.weight": rand(heads * dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": rand(kv * dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": rand(kv * dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": rand(hidden, heads * dim),
+        "midlayer.post_attention_layernorm.weight": torch.ones(hidden),
+        "midlayer.mlp.gate_proj.weight": rand(256, hidden),
+        "midlayer.mlp.up_proj.weight": rand(256, hidden),
+        "midlayer.mlp.down_proj.weight": rand(hidden, 256),
+        "norm.weight": torch.ones(hidden),
+        "lm_head.weight": rand(DRAFT_VOCAB, hidden),
+        # Draft id i is target token 1000 + 7i: offsets, as EAGLE-3 stores them.
+        "d2t": torch.arange(DRAFT_VOCAB) * 6 + 1000,
+        "t2d": torch.zeros(c.vocab_size, dtype=torch.bool),
+    }
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def test_published_layout_loads_and_maps_draft_ids(model: LlamaForCausalLM,
+                                                   tmp_path: Path) -> None:
+    write_published_layout(tmp_path / "head", model, [1, 10, 20])
+    head = load_eagle3(tmp_path / "head", model)
+    assert head.head_config.aux_layer_ids == (1, 10, 20)
+    assert head.lm_head.weight.shape == (DRAFT_VOCAB, model.config.hidden_size)
+    ids = head.greedy_tokens(torch.randn(5, model.config.hidden_size))
+    assert ((ids - 1000) % 7 == 0).all() and (ids < 1000 + 7 * DRAFT_VOCAB).all()
+
+
+def test_published_layout_serves_losslessly(model: LlamaForCausalLM, tmp_path: Path) -> None:
+    write_published_layout(tmp_path / "head", model, [2, 15, 27])
+    params = SamplingParams(max_tokens=12)
+    off = LLM(loaded_model=model, num_kv_blocks=16, max_model_len=128)
+    (want,) = off.generate(["The capital of France is"], params)
+    on = LLM(loaded_model=model, num_kv_blocks=16, max_model_len=128, speculative_config={
+        "method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")})
+    (got,) = on.generate(["The capital of France is"], params)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    drafted = on.get_metrics()["spec_decode"]["num_draft_tokens"]
+    assert drafted > 0  # it really drafted (ids from its d2t map), and stayed lossless
+
+
+def test_head_for_another_target_is_refused(model: LlamaForCausalLM, tmp_path: Path) -> None:
+    write_published_layout(tmp_path / "head", model, [1, 10, 40])
+    with pytest.raises(ValueError, match=r"reads target layers \(1, 10, 40\); the target has 30"):
+        load_eagle3(tmp_path / "head", model)
+
+
+def test_target_exposes_the_inputs_of_its_aux_layers(model: LlamaForCausalLM) -> None:
+    """forward_with_aux's features are the inputs of layers (2, 15, 27), and its final
+    hidden states are forward's."""
+    assert default_aux_layers(30) == (2, 15, 27)
+    llm = LLM(loaded_model=model, num_kv_blocks=16, max_model_len=128, speculative_config={
+        "method": "eagle", "num_speculative_tokens": 2, "model": "random"})
+    seen: list[torch.Tensor] = []
+    hooks = [model.model.layers[i].register_forward_pre_hook(
+        lambda _m, args: seen.append(args[0].clone())) for i in (2, 15, 27)]
+    features: list[torch.Tensor] = []
+    real = model.forward_with_aux
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        hidden, aux = real(*args, **kwargs)
+        features.append(aux)
+        return hidden, aux
+
+    model.forward_with_aux = spy  # type: ignore[method-assign]
+    try:
+        llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=1))
+    finally:
+        del model.forward_with_aux
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(features[0], torch.cat(seen[:3], dim=-1))
