@@ -1,5 +1,5 @@
 PYTHON ?= python3
-CORE := scheduler spec_decode runner engine
+CORE := scheduler spec_decode runner engine training
 
 .PHONY: install lint test test-heavy simulate bench
 

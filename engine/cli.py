@@ -138,6 +138,12 @@ def _add_generate_parser(sub: Any) -> None:
 
 
 def _add_bench_parser(sub: Any) -> None:
+    train = sub.add_parser("train-drafter", help="train an EAGLE-3 head for the served "
+                           "model by self-distillation (~30 min at default settings on 2 "
+                           "CPU cores)")
+    from training.options import add_arguments
+
+    add_arguments(train)
     bench = sub.add_parser("bench", help="benchmarks against a running server")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     srv = bench_sub.add_parser("serve", help="streaming completions at a concurrency sweep "
@@ -343,6 +349,11 @@ def main(argv: list[str] | None = None) -> int:
         return generate(args)
     if args.command == "bench":
         return bench_serve(args)
+    if args.command == "train-drafter":
+        from training.pipeline import run
+
+        run(args)
+        return 0
     if args.command == "prepare-model":
         from runner.model_prep import prepare_default_model
 

@@ -19,7 +19,7 @@ from runner.attention import AttentionBackend, AttentionMetadata
 from runner.buffers import StepBuffers
 from runner.config import kv_bytes_per_block
 from runner.draft_models import DraftLM, KVCache
-from runner.eagle3 import Eagle3Config, Eagle3Head, load_eagle3
+from runner.eagle3 import Eagle3Config, Eagle3Head, load_eagle3, trained_head_dir
 from runner.invariant import StepRows, check_filled
 from runner.model_loader import load_model
 from runner.model_prep import DEFAULT_MODEL_NAME, resolve_model
@@ -32,22 +32,42 @@ RANDOM_HEAD = "random"  # `"model": "random"`: an untrained head, for layouts an
 RANDOM_HEAD_VOCAB = 8192
 
 
-def _make_head(spec: SpeculativeConfig, target: LlamaForCausalLM) -> Eagle3Head:
-    """An EAGLE-3 head: loaded from the checkpoint dir `spec.model`, or random."""
-    if spec.model in (None, DEFAULT_MODEL_NAME, RANDOM_HEAD):
+def find_trained_head(target_path: Path | None, method: str) -> Path | None:
+    """The head `specbudget train-drafter` wrote for this target and method (an mtp
+    config may use the eagle head: same layout), or None."""
+    if target_path is None:
+        return None
+    for name in (method, "eagle"):
+        found = trained_head_dir(target_path, name)
+        if (found / "config.json").is_file() and (found / "model.safetensors").is_file():
+            return found
+    return None
+
+
+def _make_head(spec: SpeculativeConfig, target: LlamaForCausalLM,
+               target_path: Path | None) -> Eagle3Head:
+    """An EAGLE-3 head: from the checkpoint dir `spec.model`; without one, the trained
+    default head when there is one, else a random head (until every head method has a
+    trained default, a missing one is not yet refused)."""
+    model = spec.model
+    if model in (None, DEFAULT_MODEL_NAME):
+        trained = find_trained_head(target_path, spec.method)
+        model = str(trained) if trained else RANDOM_HEAD
+    if model == RANDOM_HEAD:
         config = Eagle3Config.for_target(target.config,
                                          min(RANDOM_HEAD_VOCAB, target.config.vocab_size))
         head = Eagle3Head(config, target, seed=int(spec.options.get("seed", 0)))
     else:
-        head = load_eagle3(Path(str(spec.model)), target)
+        head = load_eagle3(Path(str(model)), target)
     weight = target.lm_head.weight
     return head.to(device=weight.device, dtype=weight.dtype)
 
 
-def _make_net(spec: SpeculativeConfig, target: LlamaForCausalLM) -> Eagle3Head | DraftLM:
+def _make_net(spec: SpeculativeConfig, target: LlamaForCausalLM,
+              target_path: Path | None) -> Eagle3Head | DraftLM:
     """The network the method's `drafter` names: a head on the target, or a draft LM."""
     if spec.spec_method.drafter == "head":
-        return _make_head(spec, target)
+        return _make_head(spec, target, target_path)
     if spec.model in (None, DEFAULT_MODEL_NAME):
         return DraftLM(target)  # the default model drafts for itself: shared weights
     weight = target.lm_head.weight
@@ -64,9 +84,10 @@ class ModelDrafter:
 
     def __init__(self, spec: SpeculativeConfig, target: LlamaForCausalLM,
                  buffers: StepBuffers, states: RequestStates, block_size: int,
-                 attn: AttentionBackend, max_num_batched_tokens: int) -> None:
+                 attn: AttentionBackend, max_num_batched_tokens: int,
+                 target_path: Path | None = None) -> None:
         self.method = spec.spec_method
-        self.net = _make_net(spec, target)
+        self.net = _make_net(spec, target, target_path)
         self.buffers, self.states, self.block_size, self.attn = buffers, states, block_size, attn
         cfg = self.net.config
         weight = target.lm_head.weight

@@ -43,6 +43,13 @@ REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight", "d2t")
 OPTIONAL = ("t2d", "embed_tokens.weight", "mask_hidden")
 
 
+def trained_head_dir(target_path: Path, method: str) -> Path:
+    """Where `specbudget train-drafter` puts the head for this target and method."""
+    from runner.model_prep import default_cache_dir
+
+    return default_cache_dir() / "heads" / target_path.name / method
+
+
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     """Low, middle and high: the inputs of layers 2, L/2 and L - 3 (EAGLE-3's choice)."""
     return (2, num_layers // 2, num_layers - 3)

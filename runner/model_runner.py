@@ -65,7 +65,8 @@ class ModelRunner:
         self.states = RequestStates(scheduler_config.max_num_seqs,
                                     scheduler_config.max_model_len, max_blocks, self.device)
         self.spec = (SpecDecoder(speculative_config, model, self.buffers, self.states,
-                                 block_size, self.attn, scheduler_config.max_num_batched_tokens)
+                                 block_size, self.attn, scheduler_config.max_num_batched_tokens,
+                                 self.model_path)
                      if speculative_config else None)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Seconds per phase of the last step, when `record_timings` is on (benchmarks).

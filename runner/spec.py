@@ -6,6 +6,8 @@ methods run their drafter passes through `ModelDrafter` in the runner's buffers.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -26,7 +28,10 @@ class SpecDecoder:
 
     def __init__(self, spec: SpeculativeConfig, target: LlamaForCausalLM,
                  buffers: StepBuffers, states: RequestStates, block_size: int,
-                 attn: AttentionBackend, max_num_batched_tokens: int) -> None:
+                 attn: AttentionBackend, max_num_batched_tokens: int,
+                 target_path: Path | None = None) -> None:
+        """`target_path`: the target's checkpoint dir, under whose name trained heads
+        are cached."""
         self.config = spec
         self.states = states
         self.proposer: TokenProposer | None = None
@@ -35,7 +40,7 @@ class SpecDecoder:
             self.proposer = spec.spec_method.make_proposer(spec)
         else:
             self.drafter = ModelDrafter(spec, target, buffers, states, block_size, attn,
-                                        max_num_batched_tokens)
+                                        max_num_batched_tokens, target_path)
         from spec_decode.rejection_sampler import make_rejection_sampler
 
         # Triton kernels on CUDA, the torch reference elsewhere.

@@ -1,0 +1,46 @@
+"""Target features for training, computed through the same paged forward the runner
+uses, so a head learns from exactly the hidden states it will read when serving."""
+
+from __future__ import annotations
+
+import torch
+
+from runner.attention import AttentionMetadata, get_attention_backend
+from runner.models.llama import LlamaForCausalLM
+
+BLOCK = 16
+
+
+@torch.inference_mode()
+def target_features(model: LlamaForCausalLM, windows: torch.Tensor,
+                    aux_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """windows [N, T] token ids -> (aux [N, T, len(ids)·H] fp16, labels [N, T]).
+
+    labels[i, t] is the target's greedy prediction after tokens [0, t] of window i:
+    the token the drafter should propose for position t + 1.
+    """
+    num, length = windows.shape
+    cfg = model.config
+    device = model.lm_head.weight.device
+    dtype = model.lm_head.weight.dtype
+    blocks_per = -(-length // BLOCK)
+    shape = (num * blocks_per, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+    kv = [(torch.zeros(shape, dtype=dtype, device=device),
+           torch.zeros(shape, dtype=dtype, device=device))
+          for _ in range(cfg.num_hidden_layers)]
+    positions = torch.arange(length, device=device).repeat(num)
+    block_table = torch.arange(num * blocks_per, dtype=torch.int32,
+                               device=device).view(num, blocks_per)
+    req = torch.arange(num, device=device).repeat_interleave(length)
+    slots = block_table[req, positions // BLOCK].long() * BLOCK + positions % BLOCK
+    starts = [i * length for i in range(num + 1)]
+    meta = AttentionMetadata(
+        num_actual_tokens=num * length, num_reqs=num,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.full((num,), length, dtype=torch.int32, device=device),
+        block_table=block_table, slot_mapping=slots, max_query_len=length,
+        max_seq_len=length, query_start_loc_cpu=starts, seq_lens_cpu=[length] * num)
+    hidden, aux = model.forward_with_aux(windows.reshape(-1).to(device), positions, kv, meta,
+                                         get_attention_backend("torch"), aux_layer_ids)
+    labels = model.compute_logits(hidden).argmax(dim=-1)
+    return aux.to(torch.float16).view(num, length, -1).cpu(), labels.view(num, length).cpu()

@@ -1,0 +1,118 @@
+"""`specbudget train-drafter`: self-distilled data, target features, a trained head.
+
+1. Data. Chat: the target answers the built-in instructions (training/prompts.py),
+   sampled through the engine's batched `LLM.chat`. Code: standard-library modules,
+   teacher-forced. Both are cut into fixed windows; evaluation uses held-out topics
+   and files only.
+2. Features and labels from the target's own paged forward (training/features.py).
+3. A reduced draft vocabulary from the training labels, then training-time-test
+   training (training/train.py), with checkpoints to resume from.
+4. The head is written in the EAGLE-3 layout (runner/eagle3.py) to `--out`, by default
+   the model cache's `heads/<model>/<method>/`, where `"method": "eagle"` without a
+   `model` finds it. A `metrics.json` beside it gives held-out agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from engine.llm import LLM
+from runner.eagle3 import Eagle3Config, Eagle3Head, save_eagle3, trained_head_dir
+from runner.model_loader import load_model
+from runner.model_prep import resolve_model
+from runner.models.llama import LlamaForCausalLM
+from scheduler import SamplingParams
+from training.data import code_windows
+from training.features import target_features
+from training.options import TRAINABLE
+from training.prompts import instructions
+from training.train import IGNORE, Batch, TrainConfig, draft_vocab, evaluate, train_head
+
+WINDOW = 128
+FEATURE_CHUNK = 16  # windows per target forward
+
+
+def chat_windows(llm: LLM, prompts: list[str], max_windows: int, seed: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's own answers, prompt included: [N, WINDOW] ids and real lengths."""
+    params = SamplingParams(max_tokens=WINDOW, temperature=0.8, seed=seed)
+    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts[:max_windows]],
+                    params)
+    eos = llm.tokenizer.eos_token_id or 0
+    windows, lengths = [], []
+    for out in outs:
+        ids = (out.prompt_token_ids + list(out.outputs[0].token_ids))[:WINDOW]
+        lengths.append(len(ids))
+        windows.append(ids + [eos] * (WINDOW - len(ids)))
+    return torch.tensor(windows, dtype=torch.int64), torch.tensor(lengths)
+
+
+def build_batch(model: LlamaForCausalLM, windows: torch.Tensor, lengths: torch.Tensor,
+                aux_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features and target labels for every window, padding labelled IGNORE."""
+    feats, labels = [], []
+    for start in range(0, len(windows), FEATURE_CHUNK):
+        aux, lab = target_features(model, windows[start:start + FEATURE_CHUNK], aux_ids)
+        feats.append(aux)
+        labels.append(lab)
+    label = torch.cat(labels)
+    pad = torch.arange(WINDOW)[None, :] >= lengths[:, None]
+    return torch.cat(feats), label.masked_fill(pad, IGNORE)
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.method not in TRAINABLE:
+        raise SystemExit(f"train-drafter: {args.method} heads (mask rows) cannot be trained "
+                         f"yet; trainable: {', '.join(TRAINABLE)}")
+    started = time.monotonic()
+    torch.manual_seed(args.seed)
+    path = resolve_model(args.model)
+    model = load_model(path)
+    llm = LLM(model=args.model, loaded_model=model, max_model_len=512)
+    config = Eagle3Config.for_target(model.config, args.draft_vocab_size)
+    per_source = max(1, args.tokens // 2 // WINDOW)
+    prompts = instructions("train")[:args.max_prompts]
+    splits = {}
+    for split, count, chat_prompts in (("train", per_source, prompts),
+                                       ("eval", max(1, per_source // 10),
+                                        instructions("eval"))):
+        chat, chat_len = chat_windows(llm, chat_prompts, count, args.seed)
+        code = code_windows(llm.tokenizer, WINDOW, count, split)
+        windows = torch.cat((chat, code))
+        lengths = torch.cat((chat_len, torch.full((len(code),), WINDOW)))
+        aux, labels = build_batch(model, windows, lengths, config.aux_layer_ids)
+        splits[split] = (windows, aux, labels)
+    d2t, t2d = draft_vocab(splits["train"][2].clamp(min=0), model.config.vocab_size,
+                           args.draft_vocab_size)
+
+    def batch(split: str) -> Batch:
+        windows, aux, labels = splits[split]
+        mapped = torch.where(labels >= 0, t2d[labels.clamp(min=0)], IGNORE)
+        return Batch(aux, windows, torch.where(mapped >= 0, mapped, IGNORE))
+
+    head = Eagle3Head(config, model, seed=args.seed)
+    with torch.no_grad():
+        head.d2t.copy_(d2t)
+    out = Path(args.out) if args.out else trained_head_dir(path, args.method)
+    out.mkdir(parents=True, exist_ok=True)
+    train_config = TrainConfig(updates=args.updates, depth=args.num_speculative_tokens,
+                               seed=args.seed)
+    train_head(head, batch("train"), train_config, checkpoint=out / "checkpoint.pt",
+               progress=not args.no_progress)
+    loss, accs = evaluate(head, batch("eval"), train_config.depth)
+    metrics = {"method": args.method, "held_out_loss": round(loss, 4),
+               "held_out_agreement_per_step": [round(a, 4) for a in accs],
+               "train_windows": len(splits["train"][0]),
+               "eval_windows": len(splits["eval"][0]), "window": WINDOW,
+               "updates": args.updates, "seed": args.seed,
+               "wall_s": round(time.monotonic() - started, 1)}
+    save_eagle3(head, out, extra={"method": args.method, "trained": metrics})
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    print(json.dumps(metrics))
+    print(f"wrote {out}")
+    return metrics
