@@ -21,6 +21,9 @@ from runner.attention.torch_paged import TorchPagedAttention
 # A decode, a fresh prefill, a chunk continuing after a 9-token cached prefix
 # (first query at position 9, mid-block for block_size 4 and 16), another decode.
 MIXED = [(13, 1), (0, 7), (9, 6), (20, 1)]
+# Long chunks (over BATCHED_MAX_QUERY rows: one call each) beside short queries (one
+# padded call for all), including a query of exactly the batched limit.
+LONG = [(0, 40), (13, 1), (30, 20), (5, 16), (0, 17), (3, 3)]
 
 
 @dataclass
@@ -147,11 +150,12 @@ def check_cache_writes(batch: Batch, key_cache: torch.Tensor,
 
 # (a) torch path against the dense reference ------------------------------------------
 
+@pytest.mark.parametrize("reqs", [MIXED, LONG], ids=["short", "long"])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4)])
-def test_torch_path_matches_dense_reference(block_size: int, num_heads: int,
-                                            num_kv_heads: int) -> None:
-    batch = make_batch(MIXED, num_heads, num_kv_heads, head_dim=32, block_size=block_size)
+def test_torch_path_matches_dense_reference(reqs: list[tuple[int, int]], block_size: int,
+                                            num_heads: int, num_kv_heads: int) -> None:
+    batch = make_batch(reqs, num_heads, num_kv_heads, head_dim=32, block_size=block_size)
     scale = 1 / math.sqrt(32)
     out, key_cache, value_cache = run("torch", batch, scale)
     assert out.shape == batch.query.shape and out.dtype == torch.float32

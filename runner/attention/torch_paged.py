@@ -1,4 +1,11 @@
-"""Paged attention in plain torch: the CPU runtime path and the Triton kernel's reference."""
+"""Paged attention in plain torch: the CPU runtime path and the Triton kernel's reference.
+
+Short queries (decodes and verification rows: at most `BATCHED_MAX_QUERY` rows per
+request) run as one padded scaled-dot-product call for all of them, because a Python
+loop over requests costs more than the attention itself once a few dozen requests
+decode together; longer prefill chunks run one call per request, where padding every
+request to the longest chunk would cost more than the loop.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,8 @@ import torch.nn.functional as F
 from runner.attention.backend import AttentionBackend, write_kv
 from runner.attention.metadata import AttentionMetadata
 
+BATCHED_MAX_QUERY = 16
+
 
 def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
     """One request's first `seq_len` K or V rows: [seq_len, num_kv_heads, head_dim]."""
@@ -15,7 +24,7 @@ def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> tor
 
 
 class TorchPagedAttention(AttentionBackend):
-    """One scaled-dot-product call per request over its gathered cache blocks."""
+    """Short queries batched into one call; long chunks one call per request."""
 
     name = "torch"
 
@@ -26,22 +35,67 @@ class TorchPagedAttention(AttentionBackend):
         write_kv(key[:num_tokens], value[:num_tokens], key_cache, value_cache,
                  meta.slot_mapping[:num_tokens])
         out = torch.empty_like(query[:num_tokens])
-        block_size = key_cache.shape[1]
-        group = query.shape[1] // key.shape[1]
-        starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        starts = meta.query_start_loc_cpu
+        short = [i for i in range(meta.num_reqs)
+                 if starts[i + 1] - starts[i] <= BATCHED_MAX_QUERY]
+        if short:
+            _attend_batched(query, key_cache, value_cache, meta, scale, short, out)
         for i in range(meta.num_reqs):
-            q_start, q_end, seq_len = starts[i], starts[i + 1], lens[i]
-            num_blocks = -(-seq_len // block_size)
-            blocks = meta.block_table[i, :num_blocks].long()
-            k = gather_kv(key_cache, blocks, seq_len).repeat_interleave(group, dim=1)
-            v = gather_kv(value_cache, blocks, seq_len).repeat_interleave(group, dim=1)
-            q = query[q_start:q_end]
-            # Query j sits at position seq_len - num_q + j: it sees keys 0..that position.
-            num_q = q_end - q_start
-            q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                attn_mask=mask, scale=scale)
-            out[q_start:q_end] = attn.transpose(0, 1)
+            if starts[i + 1] - starts[i] > BATCHED_MAX_QUERY:
+                _attend_one(query, key_cache, value_cache, meta, scale, i, out)
         return out
+
+
+def _attend_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, i: int, out: torch.Tensor) -> None:
+    """Request i alone over its gathered cache blocks."""
+    q_start, q_end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+    seq_len = meta.seq_lens_cpu[i]
+    block_size = key_cache.shape[1]
+    blocks = meta.block_table[i, :-(-seq_len // block_size)].long()
+    k = gather_kv(key_cache, blocks, seq_len)
+    v = gather_kv(value_cache, blocks, seq_len)
+    q = query[q_start:q_end]
+    # Query j sits at position seq_len - num_q + j: it sees keys 0..that position.
+    num_q = q_end - q_start
+    q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)
+    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+    attn = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+        scale=scale, enable_gqa=True)
+    out[q_start:q_end] = attn.transpose(0, 1)
+
+
+def _attend_batched(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, reqs: list[int],
+                    out: torch.Tensor) -> None:
+    """The listed requests in one call, each padded to the longest query and sequence.
+
+    Padding query rows repeat the request's last row (their output is dropped), and
+    padding key slots point at the request's position 0 (always masked), so nothing
+    outside the request's own cache is ever read, not even stale NaNs.
+    """
+    device = query.device
+    index = torch.tensor(reqs, dtype=torch.long, device=device)
+    starts = meta.query_start_loc[index].long()
+    num_q = meta.query_start_loc[index + 1].long() - starts
+    seq_lens = meta.seq_lens[index].long()
+    max_q = max(meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i] for i in reqs)
+    max_len = max(meta.seq_lens_cpu[i] for i in reqs)
+    block_size = key_cache.shape[1]
+    j = torch.arange(max_q, device=device)
+    rows = starts[:, None] + torch.minimum(j[None, :], num_q[:, None] - 1)  # [R, Q]
+    t = torch.arange(max_len, device=device)
+    t_in = torch.where(t[None, :] < seq_lens[:, None], t[None, :], 0)  # [R, L]
+    blocks = meta.block_table[index[:, None], t_in // block_size].long()
+    slots = blocks * block_size + t_in % block_size
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    k = key_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)  # [R, Hk, L, D]
+    v = value_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)
+    q = query[rows].transpose(1, 2)  # [R, H, Q, D]
+    q_pos = seq_lens[:, None] - num_q[:, None] + torch.minimum(j[None, :], num_q[:, None] - 1)
+    mask = t[None, None, :] <= q_pos[:, :, None]  # [R, Q, L]
+    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale,
+                                          enable_gqa=True).transpose(1, 2)  # [R, Q, H, D]
+    real = j[None, :] < num_q[:, None]
+    out[rows[real]] = attn[real]
