@@ -33,11 +33,12 @@ RANDOM_HEAD_VOCAB = 8192
 
 
 def find_trained_head(target_path: Path | None, method: str) -> Path | None:
-    """The head `specbudget train-drafter` wrote for this target and method (an mtp
-    config may use the eagle head: same layout), or None."""
+    """The head `specbudget train-drafter` wrote for this target and method (mtp may
+    use the eagle head: the same layout; parallel and dflash heads are trained for
+    their own mask-row layouts), or None."""
     if target_path is None:
         return None
-    for name in (method, "eagle"):
+    for name in (method, "eagle") if method == "mtp" else (method,):
         found = trained_head_dir(target_path, name)
         if (found / "config.json").is_file() and (found / "model.safetensors").is_file():
             return found

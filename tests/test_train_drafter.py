@@ -1,7 +1,8 @@
 """A tiny drafter training (seconds) on the real default model proves the pipeline
 learns: features from the target's own paged forward, labels its own greedy tokens,
-an EAGLE-3 head trained with training-time test. Held-out loss falls, and the trained
-head agrees with the target far more often than a random head, on held-out code."""
+an EAGLE-3 head trained with training-time test in each method's layout. Held-out loss
+falls, and the trained head agrees with the target far more often than before, on
+held-out code."""
 
 from __future__ import annotations
 
@@ -16,7 +17,16 @@ from runner.model_prep import resolve_model
 from tests.server_helpers import default_model
 from training.data import code_windows, is_eval_source, stdlib_files
 from training.features import target_features
-from training.train import IGNORE, Batch, TrainConfig, draft_vocab, evaluate, train_head
+from training.layouts import greedy_run
+from training.train import (
+    IGNORE,
+    Batch,
+    TrainConfig,
+    draft_vocab,
+    evaluate,
+    init_from_target,
+    train_head,
+)
 
 LENGTH, DRAFT_VOCAB = 48, 512
 
@@ -36,7 +46,8 @@ def data() -> tuple[Batch, Batch, torch.Tensor]:
     def batch(split: str) -> Batch:
         windows, aux, labels = splits[split]
         mapped = t2d[labels]
-        return Batch(aux, windows, torch.where(mapped >= 0, mapped, IGNORE))
+        return Batch(aux, windows, torch.where(mapped >= 0, mapped, IGNORE),
+                     greedy_run(windows, labels))
 
     return batch("train"), batch("eval"), d2t
 
@@ -44,8 +55,7 @@ def data() -> tuple[Batch, Batch, torch.Tensor]:
 def fresh_head(d2t: torch.Tensor) -> Eagle3Head:
     model = default_model()
     head = Eagle3Head(Eagle3Config.for_target(model.config, DRAFT_VOCAB), model, seed=0)
-    with torch.no_grad():
-        head.d2t.copy_(d2t)
+    init_from_target(head, model, d2t)
     return head
 
 
@@ -55,19 +65,23 @@ def test_the_splits_share_no_source_file() -> None:
     assert evals and len(evals) < len(names) / 4  # about one file in ten
 
 
-def test_tiny_training_learns_on_held_out_code(data: tuple[Batch, Batch, torch.Tensor],
+@pytest.mark.parametrize("method", ["eagle", "parallel", "dflash"])
+def test_tiny_training_learns_on_held_out_code(method: str,
+                                               data: tuple[Batch, Batch, torch.Tensor],
                                                tmp_path: Path) -> None:
+    """Each layout learns: held-out loss falls and every draft agrees with the target
+    more often than before training."""
     train, held_out, d2t = data
     head = fresh_head(d2t)
-    before_loss, before_acc = evaluate(head, held_out, depth=2)
-    config = TrainConfig(updates=100, batch_size=8, lr=3e-3, depth=2, seed=0,
-                         checkpoint_every=50)
+    before_loss, before_acc = evaluate(head, held_out, 2, method)
+    config = TrainConfig(updates=60, batch_size=8, lr=3e-3, depth=2, seed=0,
+                         checkpoint_every=30, method=method)
     losses = train_head(head, train, config, checkpoint=tmp_path / "ckpt.pt", progress=False)
-    after_loss, after_acc = evaluate(head, held_out, depth=2)
-    assert len(losses) == 100 and after_loss < 0.8 * before_loss
-    # Step-1 agreement with the target's own greedy token: random is ~0.
-    assert before_acc[0] < 0.05 and after_acc[0] > 0.12
-    assert after_acc[1] > before_acc[1]  # the unrolled step learned too
+    after_loss, after_acc = evaluate(head, held_out, 2, method)
+    assert len(losses) == 60 and after_loss < 0.8 * before_loss
+    # First-draft agreement with the target's own greedy token.
+    assert after_acc[0] > 0.1 and after_acc[0] > 2 * before_acc[0]
+    assert after_acc[1] > before_acc[1]  # the second draft learned too
 
 
 def test_training_is_deterministic_and_resumes(data: tuple[Batch, Batch, torch.Tensor],
@@ -108,6 +122,7 @@ def test_train_drafter_command_writes_a_head_that_serves(tmp_path: Path,
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["train_windows"] == 4 and metrics["updates"] == 4
     assert len(metrics["held_out_agreement_per_step"]) == 2
+    assert metrics["expected_acceptance_length"] >= 1
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["draft_vocab_size"] == 256
@@ -122,10 +137,3 @@ def test_train_drafter_command_writes_a_head_that_serves(tmp_path: Path,
     prompt = ["def add(a, b):"]
     assert llm.generate(prompt, params)[0].outputs[0].token_ids == \
         off.generate(prompt, params)[0].outputs[0].token_ids
-
-
-def test_train_drafter_refuses_heads_it_cannot_train_yet() -> None:
-    from engine.cli import main
-
-    with pytest.raises(SystemExit, match=r"dflash heads .* cannot be trained yet"):
-        main(["train-drafter", "--method", "dflash"])

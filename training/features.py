@@ -13,8 +13,10 @@ BLOCK = 16
 
 @torch.inference_mode()
 def target_features(model: LlamaForCausalLM, windows: torch.Tensor,
-                    aux_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """windows [N, T] token ids -> (aux [N, T, len(ids)·H] fp16, labels [N, T]).
+                    aux_layer_ids: tuple[int, ...], dtype: torch.dtype = torch.float16
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """windows [N, T] token ids -> (aux [N, T, len(ids)·H] in `dtype` (fp16 halves
+    the memory of a training set), labels [N, T]).
 
     labels[i, t] is the target's greedy prediction after tokens [0, t] of window i:
     the token the drafter should propose for position t + 1.
@@ -22,11 +24,11 @@ def target_features(model: LlamaForCausalLM, windows: torch.Tensor,
     num, length = windows.shape
     cfg = model.config
     device = model.lm_head.weight.device
-    dtype = model.lm_head.weight.dtype
+    model_dtype = model.lm_head.weight.dtype
     blocks_per = -(-length // BLOCK)
     shape = (num * blocks_per, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
-    kv = [(torch.zeros(shape, dtype=dtype, device=device),
-           torch.zeros(shape, dtype=dtype, device=device))
+    kv = [(torch.zeros(shape, dtype=model_dtype, device=device),
+           torch.zeros(shape, dtype=model_dtype, device=device))
           for _ in range(cfg.num_hidden_layers)]
     positions = torch.arange(length, device=device).repeat(num)
     block_table = torch.arange(num * blocks_per, dtype=torch.int32,
@@ -43,4 +45,4 @@ def target_features(model: LlamaForCausalLM, windows: torch.Tensor,
     hidden, aux = model.forward_with_aux(windows.reshape(-1).to(device), positions, kv, meta,
                                          get_attention_backend("torch"), aux_layer_ids)
     labels = model.compute_logits(hidden).argmax(dim=-1)
-    return aux.to(torch.float16).view(num, length, -1).cpu(), labels.view(num, length).cpu()
+    return aux.to(dtype).view(num, length, -1).cpu(), labels.view(num, length).cpu()

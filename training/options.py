@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-TRAINABLE = ("eagle", "mtp")  # parallel and dflash heads need mask-row training: not yet
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default="eagle", choices=("eagle", "mtp", "parallel",
                                                               "dflash"))
     parser.add_argument("--model", default=None, help="target (default: the default model)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=3,
-                        help="K the head is trained for: unrolled steps in training")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4,
+                        help="K the head is trained for: drafts per chain in training")
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
     parser.add_argument("--tokens", type=int, default=96_000,
                         help="training positions (half chat, half code)")

@@ -1,12 +1,14 @@
 """`specbudget train-drafter`: self-distilled data, target features, a trained head.
 
-1. Data. Chat: the target answers the built-in instructions (training/prompts.py),
-   sampled through the engine's batched `LLM.chat`. Code: standard-library modules,
-   teacher-forced. Both are cut into fixed windows; evaluation uses held-out topics
-   and files only.
+1. Data. Chat: the target answers the built-in instructions (training/prompts.py)
+   greedily, as it answers when a greedy request is served, through the engine's
+   batched `LLM.chat`. Code: standard-library modules, teacher-forced. Both are cut
+   into fixed windows; evaluation uses held-out topics and files only.
 2. Features and labels from the target's own paged forward (training/features.py).
-3. A reduced draft vocabulary from the training labels, then training-time-test
-   training (training/train.py), with checkpoints to resume from.
+3. A reduced draft vocabulary from the training labels, a head whose LM head and
+   final norm start as the target's own (rows of the draft vocabulary), then
+   training-time-test training in the method's serving layout (training/train.py,
+   training/layouts.py), with checkpoints to resume from.
 4. The head is written in the EAGLE-3 layout (runner/eagle3.py) to `--out`, by default
    the model cache's `heads/<model>/<method>/`, where `"method": "eagle"` without a
    `model` finds it. A `metrics.json` beside it gives held-out agreement.
@@ -29,9 +31,18 @@ from runner.models.llama import LlamaForCausalLM
 from scheduler import SamplingParams
 from training.data import code_windows
 from training.features import target_features
-from training.options import TRAINABLE
+from training.layouts import greedy_run
 from training.prompts import instructions
-from training.train import IGNORE, Batch, TrainConfig, draft_vocab, evaluate, train_head
+from training.train import (
+    IGNORE,
+    Batch,
+    TrainConfig,
+    draft_vocab,
+    evaluate,
+    expected_length,
+    init_from_target,
+    train_head,
+)
 
 WINDOW = 128
 FEATURE_CHUNK = 16  # windows per target forward
@@ -40,7 +51,7 @@ FEATURE_CHUNK = 16  # windows per target forward
 def chat_windows(llm: LLM, prompts: list[str], max_windows: int, seed: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's own answers, prompt included: [N, WINDOW] ids and real lengths."""
-    params = SamplingParams(max_tokens=WINDOW, temperature=0.8, seed=seed)
+    params = SamplingParams(max_tokens=WINDOW, temperature=0.0, seed=seed)
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts[:max_windows]],
                     params)
     eos = llm.tokenizer.eos_token_id or 0
@@ -54,7 +65,7 @@ def chat_windows(llm: LLM, prompts: list[str], max_windows: int, seed: int
 
 def build_batch(model: LlamaForCausalLM, windows: torch.Tensor, lengths: torch.Tensor,
                 aux_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features and target labels for every window, padding labelled IGNORE."""
+    """Features and target labels (target ids) for every window, padding IGNORE."""
     feats, labels = [], []
     for start in range(0, len(windows), FEATURE_CHUNK):
         aux, lab = target_features(model, windows[start:start + FEATURE_CHUNK], aux_ids)
@@ -66,14 +77,12 @@ def build_batch(model: LlamaForCausalLM, windows: torch.Tensor, lengths: torch.T
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.method not in TRAINABLE:
-        raise SystemExit(f"train-drafter: {args.method} heads (mask rows) cannot be trained "
-                         f"yet; trainable: {', '.join(TRAINABLE)}")
     started = time.monotonic()
     torch.manual_seed(args.seed)
     path = resolve_model(args.model)
     model = load_model(path)
-    llm = LLM(model=args.model, loaded_model=model, max_model_len=512)
+    llm = LLM(model=args.model, loaded_model=model, max_model_len=512, max_num_seqs=64,
+              max_num_batched_tokens=2048)
     config = Eagle3Config.for_target(model.config, args.draft_vocab_size)
     per_source = max(1, args.tokens // 2 // WINDOW)
     prompts = instructions("train")[:args.max_prompts]
@@ -93,20 +102,22 @@ def run(args: argparse.Namespace) -> dict:
     def batch(split: str) -> Batch:
         windows, aux, labels = splits[split]
         mapped = torch.where(labels >= 0, t2d[labels.clamp(min=0)], IGNORE)
-        return Batch(aux, windows, torch.where(mapped >= 0, mapped, IGNORE))
+        return Batch(aux, windows, torch.where(mapped >= 0, mapped, IGNORE),
+                     greedy_run(windows, labels))
 
     head = Eagle3Head(config, model, seed=args.seed)
-    with torch.no_grad():
-        head.d2t.copy_(d2t)
+    init_from_target(head, model, d2t)
     out = Path(args.out) if args.out else trained_head_dir(path, args.method)
     out.mkdir(parents=True, exist_ok=True)
     train_config = TrainConfig(updates=args.updates, depth=args.num_speculative_tokens,
-                               seed=args.seed)
+                               seed=args.seed, method=args.method)
     train_head(head, batch("train"), train_config, checkpoint=out / "checkpoint.pt",
                progress=not args.no_progress)
-    loss, accs = evaluate(head, batch("eval"), train_config.depth)
+    loss, accs = evaluate(head, batch("eval"), train_config.depth, args.method)
     metrics = {"method": args.method, "held_out_loss": round(loss, 4),
+               "num_speculative_tokens": train_config.depth,
                "held_out_agreement_per_step": [round(a, 4) for a in accs],
+               "expected_acceptance_length": round(expected_length(accs), 3),
                "train_windows": len(splits["train"][0]),
                "eval_windows": len(splits["eval"][0]), "window": WINDOW,
                "updates": args.updates, "seed": args.seed,

@@ -1,12 +1,12 @@
 """Training an EAGLE-3 head with training-time test (TTT).
 
-The head is unrolled `depth` times on its own hidden states, as it drafts when serving:
-step 1 reads fc(target features) at position r and the token at r + 1; step j reads
-step j - 1's output at r - 1. Each step's row at position r attends to step 1's keys
-up to r - (j - 1) (the context the drafter's KV cache holds) and to the earlier
-steps' keys on its own diagonal (the drafts written since), exactly the keys a
-sequential drafting step sees. Labels are the target's own greedy tokens, over a
-reduced draft vocabulary (the most frequent labels; `d2t` maps back).
+The head is unrolled as it drafts when serving, one step per draft of a chain, in the
+serving layout of its method (training/layouts.py: eagle feeds its own output back,
+parallel and dflash feed mask rows). Each step's row at position r attends to the
+context step's keys up to its chain's anchor and to the earlier steps' keys on its
+own diagonal (the rows written since), exactly the keys that row sees when serving.
+Labels are the target's own greedy tokens, over a reduced draft vocabulary (the most
+frequent labels; `d2t` maps back).
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from runner.eagle3 import Eagle3Head
-from runner.models.llama import apply_rope
+from runner.models.llama import LlamaForCausalLM, apply_rope
+from training.layouts import LAYOUTS, MASK_TOKEN_ID, TrainLayout, step_targets
 
 IGNORE = -100
+EAGLE = LAYOUTS["eagle"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class Batch:
     aux: torch.Tensor  # [N, T, 3H]
     tokens: torch.Tensor  # [N, T]
     labels: torch.Tensor  # [N, T] draft ids of the target's greedy tokens, or IGNORE
+    chain: torch.Tensor  # [N, T] layouts.greedy_run of the tokens and target-id labels
 
 
 def draft_vocab(labels: torch.Tensor, vocab_size: int, size: int
@@ -44,6 +47,27 @@ def draft_vocab(labels: torch.Tensor, vocab_size: int, size: int
     t2d = torch.full((vocab_size,), -1, dtype=torch.int64)
     t2d[top] = torch.arange(size)
     return top - torch.arange(size), t2d
+
+
+def init_from_target(head: Eagle3Head, target: LlamaForCausalLM, d2t: torch.Tensor) -> None:
+    """Set the draft vocabulary, and start the LM head and final norm as the target's
+    own (its LM head's rows for the draft vocabulary): the head's output then starts
+    in the space the target's last hidden state lives in, which little data can reach."""
+    with torch.no_grad():
+        head.d2t.copy_(d2t)
+        ids = torch.arange(len(d2t), device=d2t.device) + d2t
+        head.lm_head.weight.copy_(target.lm_head.weight[ids.to(target.lm_head.weight.device)])
+        head.norm.weight.copy_(target.model.norm.weight)
+
+
+def expected_length(agreement: list[float]) -> float:
+    """Tokens per verification step implied by conditional per-draft agreement:
+    1 (the bonus) + sum over j of the chance drafts 1..j all pass."""
+    total, chance = 1.0, 1.0
+    for a in agreement:
+        chance *= a
+        total += chance
+    return total
 
 
 def _step(head: Eagle3Head, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
@@ -91,33 +115,54 @@ def hidden_device(head: Eagle3Head) -> torch.device:
     return head.fc.weight.device
 
 
-def unrolled_loss(head: Eagle3Head, batch: Batch, depth: int, decay: float = 0.8
-                  ) -> tuple[torch.Tensor, list[float]]:
-    """Weighted cross-entropy over `depth` unrolled steps; top-1 accuracy per step."""
-    aux, tokens, labels = batch.aux, batch.tokens, batch.labels
-    length = tokens.shape[1] - 1  # rows r = 0 .. T - 2 read the token at r + 1
+def unroll(head: Eagle3Head, aux: torch.Tensor, tokens: torch.Tensor, depth: int,
+           layout: TrainLayout) -> list[torch.Tensor]:
+    """Every step's output hidden states [N, rows, H], in the method's serving layout
+    (training/layouts.py); rows = T - the layout's token shift."""
+    shift = layout.token_shift
+    rows = tokens.shape[1] - shift  # a context row at r reads the token at r + shift
     dtype = head.fc.weight.dtype
-    cos, sin = head.rope(torch.arange(length, device=hidden_device(head)), dtype)
+    cos, sin = head.rope(torch.arange(rows, device=hidden_device(head)), dtype)
     cos, sin = cos[:, 0], sin[:, 0]  # [T, D]
-    embeds = head.embed(tokens[:, 1:]).to(dtype).detach()  # the target stays frozen
-    target = labels[:, 1:]
-    hidden = head.project(aux[:, :length])
+    embeds = head.embed(tokens[:, shift:]).to(dtype).detach()  # the target stays frozen
+    mask_embeds = head.embed(torch.tensor([MASK_TOKEN_ID], device=tokens.device)
+                             ).to(dtype).detach().expand_as(embeds)
+    mask_hidden = head.mask_hidden.to(dtype).expand(*embeds.shape)
+    context = head.project(aux[:, :rows])
     prior: list[tuple[torch.Tensor, torch.Tensor]] = []
-    total, accs = torch.zeros((), device=hidden.device), []
-    for j in range(depth):
-        out, kv = _step(head, embeds, hidden, cos, sin, prior)
+    outs: list[torch.Tensor] = []
+    for kind in layout.steps(depth):
+        inputs = {"context": (embeds, context), "bonus": (embeds, mask_hidden),
+                  "mask": (mask_embeds, mask_hidden),
+                  # row r reads the previous step's output at r - 1
+                  "feedback": (embeds, F.pad(outs[-1], (0, 0, 1, 0))[:, :rows]
+                               if outs else context)}[kind]
+        out, kv = _step(head, *inputs, cos, sin, prior)
         prior.append(kv)
-        logits = head.lm_head(head.norm(out)).float()
-        # Step j + 1 predicts for row r the same label as step 1, from drafts since r - j.
-        step_target = target.clone()
-        step_target[:, :j] = IGNORE
-        total = total + decay ** j * F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), step_target.reshape(-1), ignore_index=IGNORE)
-        valid = step_target != IGNORE
-        hits = (logits.argmax(-1) == step_target) & valid
-        accs.append(float(hits.sum()) / max(1, int(valid.sum())))
-        hidden = F.pad(out, (0, 0, 1, 0))[:, :length]  # row r reads step j's output at r - 1
-    return total / sum(decay ** j for j in range(depth)), accs
+        outs.append(out)
+    return outs
+
+
+def unrolled_loss(head: Eagle3Head, batch: Batch, depth: int, layout: TrainLayout = EAGLE,
+                  decay: float = 0.8) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Weighted cross-entropy over the method's unrolled steps; (top-1 hits, rows) of
+    each step that drafts, over the rows where it trains."""
+    outs = unroll(head, batch.aux, batch.tokens, depth, layout)
+    rows = outs[0].shape[1]
+    losses, weights, accs = [], [], []
+    for j, out in enumerate(outs[layout.first_loss_step:], start=layout.first_loss_step):
+        target = step_targets(layout, batch.labels, batch.chain, rows, j, IGNORE)
+        valid = target != IGNORE
+        if not bool(valid.any()):
+            accs.append((0, 0))
+            continue
+        logits = head.lm_head(head.norm(out[valid])).float()
+        weight = decay ** (j - layout.first_loss_step)
+        losses.append(weight * F.cross_entropy(logits, target[valid]))
+        weights.append(weight)
+        accs.append((int((logits.argmax(-1) == target[valid]).sum()), int(valid.sum())))
+    total = torch.stack(losses).sum() if losses else outs[0].sum() * 0
+    return total / max(sum(weights), 1e-9), accs
 
 
 def lr_at(update: int, total: int, peak: float, warmup: int = 20) -> float:
@@ -135,27 +180,30 @@ class TrainConfig:
     updates: int = 2000
     batch_size: int = 8
     lr: float = 1e-3
-    depth: int = 3  # unrolled steps (training-time test)
+    depth: int = 4  # drafts per chain (K): the unrolled steps of training-time test
+    method: str = "eagle"  # the serving layout trained for (training/layouts.py)
     seed: int = 0
     checkpoint_every: int = 200
 
 
 def select(data: Batch, index: torch.Tensor) -> Batch:
-    return Batch(data.aux[index], data.tokens[index], data.labels[index])
+    return Batch(data.aux[index], data.tokens[index], data.labels[index], data.chain[index])
 
 
 @torch.no_grad()
-def evaluate(head: Eagle3Head, data: Batch, depth: int, batch_size: int = 16
-             ) -> tuple[float, list[float]]:
-    """Mean loss and top-1 agreement per unrolled step, over every window."""
-    losses, accs = [], []
+def evaluate(head: Eagle3Head, data: Batch, depth: int, method: str = "eagle",
+             batch_size: int = 16) -> tuple[float, list[float]]:
+    """Mean loss, and top-1 agreement of each draft with the target's greedy token
+    where every earlier draft of its chain agreed (so the conditional acceptance)."""
+    losses, hits, rows = [], [0] * depth, [0] * depth
     for start in range(0, len(data.tokens), batch_size):
         index = torch.arange(start, min(start + batch_size, len(data.tokens)))
-        loss, acc = unrolled_loss(head, select(data, index), depth)
+        loss, accs = unrolled_loss(head, select(data, index), depth, LAYOUTS[method])
         losses.append(float(loss.detach()))
-        accs.append(acc)
-    return sum(losses) / len(losses), [sum(a[j] for a in accs) / len(accs)
-                                       for j in range(depth)]
+        for j, (hit, num) in enumerate(accs):
+            hits[j] += hit
+            rows[j] += num
+    return sum(losses) / len(losses), [h / max(1, n) for h, n in zip(hits, rows, strict=True)]
 
 
 def train_head(head: Eagle3Head, data: Batch, config: TrainConfig,
@@ -190,13 +238,14 @@ def train_head(head: Eagle3Head, data: Batch, config: TrainConfig,
         index = order[torch.arange(first, first + config.batch_size) % num]
         for group in opt.param_groups:
             group["lr"] = lr_at(update, config.updates, config.lr)
-        loss, accs = unrolled_loss(head, select(data, index), config.depth)
+        loss, accs = unrolled_loss(head, select(data, index), config.depth,
+                                   LAYOUTS[config.method])
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(float(loss.detach()))
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", acc1=f"{accs[0]:.2f}")
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", acc1=f"{accs[0][0] / max(1, accs[0][1]):.2f}")
         if checkpoint is not None and (update + 1) % config.checkpoint_every == 0:
             _save(checkpoint, head, opt, update + 1)
     if checkpoint is not None and losses:  # where the run stopped, early or not

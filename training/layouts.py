@@ -1,0 +1,84 @@
+"""Each head method's serving passes, seen as the unrolled steps training runs.
+
+Training runs one window of T positions through `steps` in turn; step j's row r sits
+at position r and belongs to the drafting chain anchored at a = r - j, whose context
+(step 0's keys up to a) the drafter's KV cache holds when serving, and whose later
+rows are on the diagonal (step i's key at row r - (j - i)). Only the inputs of each
+step and the row each loss reads differ by method, exactly as in the passes
+spec_decode/methods/*.py lay out:
+
+  method      context row p        later steps (inputs)                      loss on
+  eagle, mtp  hidden(p), tok p + 1 k - 1 x feedback: own output at p - 1,    every step
+                                   tok p + 1
+  parallel    hidden(p), tok p + 1 k - 1 x mask: mask_hidden, MASK_TOKEN_ID  every step
+  dflash      hidden(p), tok p     bonus: mask_hidden, tok p; then k x mask  the k masks
+
+A row whose label index is t predicts `labels[t]`, the target's greedy token after
+position t (eagle, parallel: t = r + 1, the token two on from the row; dflash: t =
+r - 1, the token at the row's own position). A step trains only where every earlier
+draft of its chain equals the target's greedy token: serving never runs a later
+draft past a rejected one, and mask rows, which never see the tokens in between, can
+only be right about the greedy chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MASK_TOKEN_ID = 0  # the drafter's default `mask_token_id` (runner/drafter.py)
+
+
+@dataclass(frozen=True)
+class TrainLayout:
+    name: str
+    token_shift: int  # a context row at p carries the token at p + token_shift
+    later: str  # kind of the steps after the context step: "feedback" or "mask"
+    bonus: bool  # a bonus-token step (mask_hidden, its own token) follows the context
+    label_offset: int  # a row at r predicts labels[r + label_offset]
+
+    def steps(self, depth: int) -> list[str]:
+        """Every step's kind for `depth` drafts (K)."""
+        if self.bonus:
+            return ["context", "bonus", *[self.later] * depth]
+        return ["context", *[self.later] * (depth - 1)]
+
+    @property
+    def first_loss_step(self) -> int:
+        return 2 if self.bonus else 0
+
+
+LAYOUTS = {
+    "eagle": TrainLayout("eagle", 1, "feedback", False, 1),
+    "mtp": TrainLayout("mtp", 1, "feedback", False, 1),
+    "parallel": TrainLayout("parallel", 1, "mask", False, 1),
+    "dflash": TrainLayout("dflash", 0, "mask", True, -1),
+}
+
+
+def greedy_run(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[N, T]: how many consecutive positions up to and including p had the target's
+    greedy token next (tokens[p + 1] == labels[p]); 0 where that fails."""
+    agree = torch.zeros_like(tokens, dtype=torch.bool)
+    agree[:, :-1] = (tokens[:, 1:] == labels[:, :-1]) & (labels[:, :-1] >= 0)
+    index = torch.arange(tokens.shape[1]).expand_as(tokens)
+    last_miss = torch.cummax(torch.where(agree, -1, index), dim=1).values
+    return index - last_miss
+
+
+def step_targets(layout: TrainLayout, labels: torch.Tensor, run: torch.Tensor, rows: int,
+                 step: int, ignore: int) -> torch.Tensor:
+    """[N, rows] the label each row of `step` trains on, or `ignore`."""
+    offset = layout.label_offset
+    t = torch.arange(rows) + offset
+    inside = (t >= 0) & (t < labels.shape[1])
+    target = torch.where(inside, labels[:, t.clamp(0, labels.shape[1] - 1)], ignore)
+    needed = step - layout.first_loss_step  # earlier drafts of the chain
+    r = torch.arange(rows)
+    valid = (r >= step)[None, :].expand_as(target)  # the chain's anchor r - step >= 0
+    if needed > 0:
+        prev = t - 1  # the chain's last drafted position is the one before the label's
+        ok = run[:, prev.clamp(min=0)] >= needed
+        valid = valid & ok & (prev >= 0)[None, :]
+    return torch.where(valid & inside[None, :], target, ignore)
