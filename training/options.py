@@ -13,9 +13,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4,
                         help="K the head is trained for: drafts per chain in training")
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
-    parser.add_argument("--tokens", type=int, default=96_000,
+    parser.add_argument("--tokens", type=int, default=64_000,
                         help="training positions (half chat, half code)")
-    parser.add_argument("--updates", type=int, default=1500)
+    parser.add_argument("--updates", type=int, default=300)
     parser.add_argument("--max-prompts", type=int, default=None,
                         help="use only the first N training instructions")
     parser.add_argument("--seed", type=int, default=0)

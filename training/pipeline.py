@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -76,6 +77,36 @@ def build_batch(model: LlamaForCausalLM, windows: torch.Tensor, lengths: torch.T
     return torch.cat(feats), label.masked_fill(pad, IGNORE)
 
 
+def self_distilled_data(llm: LLM, model: LlamaForCausalLM, args: argparse.Namespace,
+                        aux_ids: tuple[int, ...], cache: Path) -> dict[str, tuple]:
+    """(windows, aux, labels) per split, kept in `cache/<key>.pt`: the data depends
+    only on the target, the seed and the sizes, so the heads of every method share
+    it, and a resumed run does not generate it again."""
+    key = hashlib.sha256(json.dumps([model.config.hidden_size, args.tokens, args.seed,
+                                     args.max_prompts, WINDOW, list(aux_ids),
+                                     str(args.model)]).encode()).hexdigest()[:16]
+    file = cache / f"{key}.pt"
+    if file.exists():
+        return dict(torch.load(file, weights_only=True))
+    per_source = max(1, args.tokens // 2 // WINDOW)
+    splits = {}
+    for split, count, chat_prompts in (("train", per_source,
+                                        instructions("train")[:args.max_prompts]),
+                                       ("eval", max(1, per_source // 10),
+                                        instructions("eval"))):
+        chat, chat_len = chat_windows(llm, chat_prompts, count, args.seed)
+        code = code_windows(llm.tokenizer, WINDOW, count, split)
+        windows = torch.cat((chat, code))
+        lengths = torch.cat((chat_len, torch.full((len(code),), WINDOW)))
+        aux, labels = build_batch(model, windows, lengths, aux_ids)
+        splits[split] = (windows, aux, labels)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(".tmp")
+    torch.save(splits, tmp)
+    tmp.replace(file)
+    return splits
+
+
 def run(args: argparse.Namespace) -> dict:
     started = time.monotonic()
     torch.manual_seed(args.seed)
@@ -84,19 +115,11 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(model=args.model, loaded_model=model, max_model_len=512, max_num_seqs=64,
               max_num_batched_tokens=2048)
     config = Eagle3Config.for_target(model.config, args.draft_vocab_size)
-    per_source = max(1, args.tokens // 2 // WINDOW)
-    prompts = instructions("train")[:args.max_prompts]
-    splits = {}
-    for split, count, chat_prompts in (("train", per_source, prompts),
-                                       ("eval", max(1, per_source // 10),
-                                        instructions("eval"))):
-        chat, chat_len = chat_windows(llm, chat_prompts, count, args.seed)
-        code = code_windows(llm.tokenizer, WINDOW, count, split)
-        windows = torch.cat((chat, code))
-        lengths = torch.cat((chat_len, torch.full((len(code),), WINDOW)))
-        aux, labels = build_batch(model, windows, lengths, config.aux_layer_ids)
-        splits[split] = (windows, aux, labels)
-    d2t, t2d = draft_vocab(splits["train"][2].clamp(min=0), model.config.vocab_size,
+    out = Path(args.out) if args.out else trained_head_dir(path, args.method)
+    splits = self_distilled_data(llm, model, args, config.aux_layer_ids, out.parent / "data")
+    data_s = time.monotonic() - started
+    train_labels = splits["train"][2]
+    d2t, t2d = draft_vocab(train_labels[train_labels >= 0], model.config.vocab_size,
                            args.draft_vocab_size)
 
     def batch(split: str) -> Batch:
@@ -107,7 +130,6 @@ def run(args: argparse.Namespace) -> dict:
 
     head = Eagle3Head(config, model, seed=args.seed)
     init_from_target(head, model, d2t)
-    out = Path(args.out) if args.out else trained_head_dir(path, args.method)
     out.mkdir(parents=True, exist_ok=True)
     train_config = TrainConfig(updates=args.updates, depth=args.num_speculative_tokens,
                                seed=args.seed, method=args.method)
@@ -121,7 +143,7 @@ def run(args: argparse.Namespace) -> dict:
                "train_windows": len(splits["train"][0]),
                "eval_windows": len(splits["eval"][0]), "window": WINDOW,
                "updates": args.updates, "seed": args.seed,
-               "wall_s": round(time.monotonic() - started, 1)}
+               "data_s": round(data_s, 1), "wall_s": round(time.monotonic() - started, 1)}
     save_eagle3(head, out, extra={"method": args.method, "trained": metrics})
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     print(json.dumps(metrics))
