@@ -6,9 +6,11 @@ output tokens per second, the ratio against speculation off from the same run, t
 acceptance figures, and the theoretical tokens per step (1 - a^(k+1)) / (1 - a) for
 the measured per-draft acceptance a. Requests go through the chat template and stop at
 EOS or max_tokens; a warm-up request runs first and is left out of every figure.
-Heads (eagle, mtp, parallel, dflash) are randomly initialised here, so their
-acceptance is near 0: their rows show the cost of drafting inside the budget, not a
-trained head's speed-up.
+Heads (eagle, mtp, parallel, dflash) run as trained by `specbudget train-drafter`
+when the model cache has one (`head: trained`); each also runs once with an untrained
+head (`"model": "random"`, `head: random`), a labelled lower bound: it accepts
+nothing, so it shows the cost of drafting inside the budget. A third workload,
+`held-out`, asks the instructions that drafter training keeps out of its data.
 
     python benchmarks/spec_decode.py [--quick] [--methods ngram,suffix,...] [--out PATH]
 """
@@ -28,10 +30,13 @@ import torch  # noqa: E402
 
 from benchmarks.common import write_report  # noqa: E402
 from engine.llm import LLM  # noqa: E402
+from runner.drafter import find_trained_head  # noqa: E402
 from runner.model_loader import load_model  # noqa: E402
 from runner.model_prep import resolve_model  # noqa: E402
+from runner.models.llama import LlamaForCausalLM  # noqa: E402
 from scheduler import SamplingParams  # noqa: E402
 from spec_decode import METHODS  # noqa: E402
+from training.prompts import instructions  # noqa: E402
 
 # Chat requests to the instruct model. Grounded: the answer repeats the input (edit,
 # rewrite, fix), where lookup drafters find their drafts. Open: nothing to copy.
@@ -60,9 +65,22 @@ def theoretical_tokens_per_step(alpha: float | None, k: int) -> float | None:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def run_one(model: torch.nn.Module, method: str | None, prompts: list[str], k: int,
-            max_tokens: int) -> dict:
-    spec = {"method": method, "num_speculative_tokens": k} if method else None
+HEAD_METHODS = ("eagle", "mtp", "parallel", "dflash")
+
+
+def head_variants(method: str, model_path: Path, random_heads: bool) -> list[str | None]:
+    """The `model` values to run: the trained head if cached, and the random one."""
+    if method not in HEAD_METHODS:
+        return [None]
+    trained = [None] if find_trained_head(model_path, method) else []
+    return trained + (["random"] if random_heads or not trained else [])
+
+
+def run_one(model: LlamaForCausalLM, method: str | None, prompts: list[str], k: int,
+            max_tokens: int, head: str | None = None) -> dict:
+    spec: dict | None = {"method": method, "num_speculative_tokens": k} if method else None
+    if spec is not None and head is not None:
+        spec["model"] = head
     llm = LLM(loaded_model=model, speculative_config=spec, max_num_batched_tokens=256,
               max_num_seqs=16, max_model_len=1024)
     params = SamplingParams(max_tokens=max_tokens)
@@ -80,6 +98,7 @@ def run_one(model: torch.nn.Module, method: str | None, prompts: list[str], k: i
     alpha = accepted / drafted if drafted else None
     return {
         "method": method or "off", "num_speculative_tokens": k if method else 0,
+        "head": None if method not in HEAD_METHODS else (head or "trained"),
         "output_tokens": tokens, "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 2),
         "steps": llm.get_metrics()["num_steps"],
@@ -96,6 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("-k", type=int, default=4)
+    parser.add_argument("--no-random-heads", action="store_true",
+                        help="skip the untrained-head rows where a trained head exists")
+    parser.add_argument("--workloads", default="grounded,open,held-out")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     out_path = args.out or ROOT / "benchmarks" / "results" / (
@@ -104,24 +126,29 @@ def main(argv: list[str] | None = None) -> dict:
     concurrencies = (1, 4) if args.quick else (1, 16)
     max_tokens = 8 if args.quick else 64
     torch.manual_seed(0)
-    model = load_model(resolve_model(None), torch.float32, torch.device("cpu"))
+    path = resolve_model(None)
+    model = load_model(path, torch.float32, torch.device("cpu"))
     rows = []
-    for workload, prompts in (("grounded", GROUNDED), ("open", OPEN)):
+    workloads = {"grounded": GROUNDED, "open": OPEN, "held-out": instructions("eval")}
+    for workload in args.workloads.split(","):
+        prompts = workloads[workload]
         for conc in concurrencies:
             batch = (prompts * conc)[:conc]
             base = run_one(model, None, batch, args.k, max_tokens)
             rows.append({"workload": workload, "concurrency": conc, **base,
                          "speedup_vs_off": 1.0, "lossless": True})
             for method in methods:
-                row = run_one(model, method, batch, args.k, max_tokens)
-                row.update(workload=workload, concurrency=conc,
-                           speedup_vs_off=round(row["tokens_per_s"] / base["tokens_per_s"], 3),
-                           lossless=row["outputs"] == base["outputs"])
-                rows.append(row)
-                print(f"{workload:<9}{conc:>3}  {row['method']:<12}"
-                      f"{row['tokens_per_s']:>8.1f} tok/s  x{row['speedup_vs_off']:<6}"
-                      f" accept={row['acceptance_rate']}  lossless={row['lossless']}",
-                      flush=True)
+                for head in head_variants(method, path, not args.no_random_heads):
+                    row = run_one(model, method, batch, args.k, max_tokens, head)
+                    row.update(workload=workload, concurrency=conc, speedup_vs_off=round(
+                        row["tokens_per_s"] / base["tokens_per_s"], 3),
+                               lossless=row["outputs"] == base["outputs"])
+                    rows.append(row)
+                    print(f"{workload:<9}{conc:>3}  {row['method']:<10}{row['head'] or '':<8}"
+                          f"{row['tokens_per_s']:>8.1f} tok/s  x{row['speedup_vs_off']:<6}"
+                          f" accept={row['acceptance_per_pos_since_start']}"
+                          f" len={row['mean_acceptance_length']} lossless={row['lossless']}",
+                          flush=True)
     for row in rows:
         del row["outputs"]
     report = {"benchmark": "spec_decode", "device": "cpu", "dtype": "float32",

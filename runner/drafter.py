@@ -45,15 +45,31 @@ def find_trained_head(target_path: Path | None, method: str) -> Path | None:
     return None
 
 
+class NoTrainedHeadError(ValueError):
+    """A head method was asked for without a head, and none was trained for the target."""
+
+
+def missing_head_message(method: str, target_path: Path | None) -> str:
+    where = (f" at {trained_head_dir(target_path, method)}" if target_path is not None
+             else "")
+    target = f" for {target_path.name}" if target_path is not None else ""
+    return (f"speculative_config: method {method!r} needs a trained draft head{target} and "
+            f"none was found{where}. Train one with `specbudget train-drafter --method "
+            f"{method}` (about 30 minutes on 2 CPU cores), pass a head's directory as "
+            f"speculative_config's \"model\", or ask for an untrained head with \"model\": "
+            f"\"{RANDOM_HEAD}\" (its drafts are rejected: for layout tests and benchmarks)")
+
+
 def _make_head(spec: SpeculativeConfig, target: LlamaForCausalLM,
                target_path: Path | None) -> Eagle3Head:
     """An EAGLE-3 head: from the checkpoint dir `spec.model`; without one, the trained
-    default head when there is one, else a random head (until every head method has a
-    trained default, a missing one is not yet refused)."""
+    default head; a random one only when asked for by name."""
     model = spec.model
     if model in (None, DEFAULT_MODEL_NAME):
         trained = find_trained_head(target_path, spec.method)
-        model = str(trained) if trained else RANDOM_HEAD
+        if trained is None:
+            raise NoTrainedHeadError(missing_head_message(spec.method, target_path))
+        model = str(trained)
     if model == RANDOM_HEAD:
         config = Eagle3Config.for_target(target.config,
                                          min(RANDOM_HEAD_VOCAB, target.config.vocab_size))

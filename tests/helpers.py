@@ -5,6 +5,7 @@ from __future__ import annotations
 from runner.simulated import SimulatedRunner
 from scheduler import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig
 from spec_decode import SpeculativeConfig
+from spec_decode.methods import get_method
 
 
 def make_scheduler(method: str | None = None, k: int = 4, budget: int = 64,
@@ -43,3 +44,15 @@ def drain(scheduler: Scheduler, runner: SimulatedRunner, max_steps: int = 10_000
         steps += 1
         assert steps < max_steps, "scheduler made no progress"
     return steps
+
+
+def spec_dict(method: str | None, k: int, **options: object) -> dict | None:
+    """A speculative config for the real runner; head methods get an untrained head by
+    name ("model": "random"), since CI has no trained head (and a missing one is
+    refused)."""
+    if method is None:
+        return None
+    spec: dict = {"method": method, "num_speculative_tokens": k, **options}
+    if get_method(method).drafter == "head":
+        spec.setdefault("model", "random")
+    return spec

@@ -54,6 +54,7 @@ def test_spec_decode_quick(tmp_path: Path) -> None:
     from benchmarks import spec_decode
 
     report = spec_decode.main(["--quick", "--methods", "ngram,draft_model",
+                               "--workloads", "grounded",
                                "--out", str(tmp_path / "s.json")])
     rows = report["results"]
     assert {r["method"] for r in rows} == {"off", "ngram", "draft_model"}
@@ -62,3 +63,24 @@ def test_spec_decode_quick(tmp_path: Path) -> None:
         if row["method"] == "draft_model":  # the target drafting for itself
             assert row["acceptance_rate"] == 1.0
             assert row["theoretical_tokens_per_step"] == 5.0
+
+
+def test_throttle_e2e_quick(tmp_path: Path) -> None:
+    """The real model under each of the three rules: outputs identical, every figure
+    reported, and the static reservation's smaller target budget is the one it ran."""
+    from benchmarks import throttle_e2e
+
+    report = throttle_e2e.main(["--quick", "--methods", "dflash:2",
+                                "--out", str(tmp_path / "e.json")])
+    assert (tmp_path / "e.png").stat().st_size > 0
+    rows = {row["rule"]: row for row in report["results"]}
+    assert set(rows) == {"ours", "vllm_flat", "vllm_static"}
+    work = report["workload"]
+    for row in rows.values():
+        assert row["status"] == "ok" and row["identical_outputs"]
+        assert row["output_tokens"] == work["num_requests"] * work["max_tokens"]
+        assert row["steps"] > 0 and row["ttft_p50_s"] <= row["ttft_p99_s"]
+        assert 0 < row["target_rows_per_step"] <= work["budget"]
+    # dflash K=2: S = K + 1 = 3 rows reserved per sequence under the static rule.
+    assert rows["vllm_static"]["target_budget"] == work["budget"] - 3 * work["max_num_seqs"]
+    assert rows["ours"]["target_budget"] == work["budget"]

@@ -120,3 +120,25 @@ def test_target_exposes_the_inputs_of_its_aux_layers(model: LlamaForCausalLM) ->
         for hook in hooks:
             hook.remove()
     assert torch.equal(features[0], torch.cat(seen[:3], dim=-1))
+
+
+@pytest.mark.parametrize("method", ["eagle", "parallel", "dflash"])
+def test_a_head_method_without_a_trained_head_is_refused(
+        method: str, model: LlamaForCausalLM, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No trained head in the cache and no "model": refused with the command that
+    trains one and the way to ask for a random head; with "random", it serves."""
+    import runner.drafter as drafter
+
+    monkeypatch.setattr(drafter, "trained_head_dir", lambda _path, name: tmp_path / name)
+    spec = {"method": method, "num_speculative_tokens": 2}
+    with pytest.raises(drafter.NoTrainedHeadError) as err:
+        LLM(loaded_model=model, num_kv_blocks=16, max_model_len=128, speculative_config=spec)
+    message = str(err.value)
+    assert f"specbudget train-drafter --method {method}" in message
+    assert "about 30 minutes" in message and '"model": "random"' in message
+    assert str(tmp_path / method) in message
+    llm = LLM(loaded_model=model, num_kv_blocks=16, max_model_len=128,
+              speculative_config={**spec, "model": "random"})
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0]
+               .outputs[0].token_ids) == 3

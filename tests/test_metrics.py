@@ -172,7 +172,7 @@ def test_real_core_dflash_counts_match_scheduler_stats(model: LlamaForCausalLM) 
 
     config = EngineConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256,
                           num_kv_blocks=64,
-                          speculative_config=SpeculativeConfig("dflash", 2))
+                          speculative_config=SpeculativeConfig("dflash", 2, model="random"))
     core = EngineCore(config, model=model)
     registry = CollectorRegistry()
     metrics = EngineMetrics(registry, MODEL)

@@ -147,8 +147,8 @@ def test_buffers_fixed_and_same_with_spec_on(model: LlamaForCausalLM,
                                              prompt_ids: dict[str, list[int]]) -> None:
     sched_cfg = SchedulerConfig(64, 8, 512)
     off = ModelRunner(RunnerConfig(), sched_cfg, BLOCK, model=model)
-    on = ModelRunner(RunnerConfig(), sched_cfg, BLOCK, SpeculativeConfig("dflash", 4),
-                     model=model)
+    on = ModelRunner(RunnerConfig(), sched_cfg, BLOCK,
+                     SpeculativeConfig("dflash", 4, model="random"), model=model)
     assert off.persistent_buffer_bytes == on.persistent_buffer_bytes
     # Sized by B and max_num_seqs: B rows for the flat token buffers.
     assert off.buffers.input_ids.cpu.shape == (64,)

@@ -15,6 +15,7 @@ from engine.core import EngineCore
 from engine.llm import LLM
 from runner import BudgetInvariantError
 from scheduler import Request, SamplingParams, SchedulerOutput
+from tests.helpers import spec_dict
 from tests.server_helpers import default_model
 
 PROMPT = list(range(100, 124))  # 24 tokens
@@ -23,7 +24,7 @@ PROMPT = list(range(100, 124))  # 24 tokens
 def core_for(method: str, **config: int) -> EngineCore:
     return LLM(loaded_model=default_model(), max_num_batched_tokens=64, num_kv_blocks=16,
                max_model_len=config.pop("max_model_len", 128),
-               speculative_config={"method": method, "num_speculative_tokens": 4},
+               speculative_config=spec_dict(method, 4),
                **config).engine
 
 

@@ -27,6 +27,7 @@ from scheduler import CacheConfig, Request, SamplingParams, Scheduler, Scheduler
 from scheduler.budget import ThrottleRule
 from spec_decode import SpeculativeConfig
 from spec_decode.methods import PassRecipe, SpecMethod, get_method
+from tests.helpers import spec_dict
 from tests.server_helpers import default_model
 
 B, K, MAX_MODEL_LEN, BLOCK = 64, 4, 128, 16
@@ -36,7 +37,7 @@ RUNNERS = ("model", "simulated")
 def build(kind: str, method: str, rule: Callable[[Scheduler], ThrottleRule] | None = None
           ) -> tuple[Scheduler, Any]:
     """A scheduler and a runner of `kind` sharing its limits."""
-    spec = {"method": method, "num_speculative_tokens": K}
+    spec = spec_dict(method, K)
     if kind == "model":
         core = LLM(loaded_model=default_model(), max_num_batched_tokens=B, num_kv_blocks=32,
                    max_model_len=MAX_MODEL_LEN, block_size=BLOCK,

@@ -15,13 +15,14 @@ import pytest
 from engine.llm import LLM
 from scheduler import SamplingParams
 from spec_decode import METHODS
+from tests.helpers import spec_dict
 from tests.server_helpers import default_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the"
 
 
 def sampled(method: str | None, seed: int, calls: int = 2) -> list[list[int]]:
-    spec = {"method": method, "num_speculative_tokens": 3} if method else None
+    spec = spec_dict(method, 3)
     llm = LLM(loaded_model=default_model(), speculative_config=spec, max_model_len=128,
               num_kv_blocks=32)
     params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.95, seed=seed,

@@ -14,6 +14,7 @@ import pytest
 from engine.llm import LLM
 from scheduler import Request, SamplingParams
 from spec_decode import METHODS
+from tests.helpers import spec_dict
 from tests.server_helpers import default_model
 
 MAX_LEN = 64
@@ -31,7 +32,7 @@ _reference: list[list[list[int]]] = []
 def generate(method: str | None) -> tuple[LLM, list[list[int]], list[str | None]]:
     """Every case at once, one request each (LLM.generate takes one SamplingParams for
     all its prompts; the core takes one per request)."""
-    spec = {"method": method, "num_speculative_tokens": K} if method else None
+    spec = spec_dict(method, K)
     llm = LLM(loaded_model=default_model(), speculative_config=spec, max_model_len=MAX_LEN,
               max_num_batched_tokens=64, num_kv_blocks=64)
     for i, (p, m) in enumerate(CASES):

@@ -14,6 +14,7 @@ from runner.model_prep import resolve_model
 from runner.models.llama import LlamaForCausalLM
 from scheduler import SamplingParams
 from spec_decode import METHODS
+from tests.helpers import spec_dict
 
 GROUNDED = [
     "Copy the list exactly: apple, banana, cherry, date, elderberry, fig, grape. "
@@ -41,7 +42,7 @@ def model() -> LlamaForCausalLM:
 
 def run(model: LlamaForCausalLM, method: str | None, prompts: list[str],
         **kwargs: Any) -> tuple[list[list[int]], dict[str, Any]]:
-    spec = {"method": method, "num_speculative_tokens": K} if method else None
+    spec = spec_dict(method, K)
     kwargs.setdefault("max_num_batched_tokens", 64)
     kwargs.setdefault("max_model_len", 256)
     llm = LLM(loaded_model=model, speculative_config=spec, max_num_seqs=16, **kwargs)
@@ -119,7 +120,7 @@ def test_drafter_buffers_bounded_and_target_buffers_unchanged(model: LlamaForCau
     for method in METHODS:
         runner = LLM(loaded_model=model, max_num_batched_tokens=64, num_kv_blocks=8,
                      max_model_len=96,
-                     speculative_config={"method": method, "num_speculative_tokens": 4}
+                     speculative_config=spec_dict(method, 4)
                      ).engine.runner
         assert runner.persistent_buffer_bytes == off.persistent_buffer_bytes
         hidden = model.config.hidden_size * 4
@@ -130,7 +131,7 @@ def test_drafter_buffers_bounded_and_target_buffers_unchanged(model: LlamaForCau
 def test_logprobs_one_per_emitted_token(model: LlamaForCausalLM, method: str | None) -> None:
     """Verification emits several tokens per step: each gets its own logprobs entry,
     the emitted token first, then the top 2 from the raw logits."""
-    spec = {"method": method, "num_speculative_tokens": K} if method else None
+    spec = spec_dict(method, K)
     llm = LLM(loaded_model=model, speculative_config=spec)
     ids = llm.tokenizer.encode(GROUNDED[2])
     from scheduler import Request
@@ -187,7 +188,7 @@ def test_runner_refuses_a_drafter_pass_that_disagrees(model: LlamaForCausalLM,
 
     llm = LLM(loaded_model=model, max_num_batched_tokens=64, num_kv_blocks=16,
               max_model_len=192,
-              speculative_config={"method": method, "num_speculative_tokens": 3})
+              speculative_config=spec_dict(method, 3))
     core = llm.engine
     core.add_request(Request("r", list(range(100, 120)), SamplingParams(max_tokens=8)))
     out = core.scheduler.schedule()
