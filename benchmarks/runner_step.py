@@ -1,7 +1,10 @@
 """Per-step time of the ModelRunner split into input preparation, forward and sampling.
 
 Decode batches of 1, 8 and 32 requests and one 512-token prefill, on the default
-model. Input preparation should be a small fraction of the step.
+model. Input preparation should be a small fraction of the step. `draft` cases: the
+same decode with an EAGLE-3 head drafting K = 4 (a context pass and three one-row
+steps), once with a reduced 8,192-token draft vocabulary and once with the target's
+whole 49,152-token vocabulary, to show what the reduced LM head saves per draft step.
 
     python benchmarks/runner_step.py [--quick] [--device cpu|cuda] [--out PATH]
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,21 +25,25 @@ import torch  # noqa: E402
 
 from benchmarks.common import write_report  # noqa: E402
 from runner.config import RunnerConfig  # noqa: E402
+from runner.eagle3 import Eagle3Config, Eagle3Head, save_eagle3  # noqa: E402
 from runner.model_loader import load_model  # noqa: E402
 from runner.model_prep import resolve_model  # noqa: E402
 from runner.model_runner import ModelRunner  # noqa: E402
+from runner.models.llama import LlamaForCausalLM  # noqa: E402
 from scheduler import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig  # noqa: E402
+from spec_decode import SpeculativeConfig  # noqa: E402
 
 BLOCK = 16
 PHASES = ("prepare", "forward", "sample")
 
 
-def _engine(model: torch.nn.Module, device: str, budget: int) -> tuple[Scheduler, ModelRunner]:
+def _engine(model: LlamaForCausalLM, device: str, budget: int,
+            spec: SpeculativeConfig | None = None) -> tuple[Scheduler, ModelRunner]:
     sched_cfg = SchedulerConfig(budget, 64, 2048)
-    runner = ModelRunner(RunnerConfig(device=device), sched_cfg, BLOCK, model=model)
+    runner = ModelRunner(RunnerConfig(device=device), sched_cfg, BLOCK, spec, model=model)
     runner.initialize_kv_cache(1024)
     runner.record_timings = True
-    return Scheduler(sched_cfg, CacheConfig(BLOCK, 1024)), runner
+    return Scheduler(sched_cfg, CacheConfig(BLOCK, 1024), spec), runner
 
 
 def _step(sched: Scheduler, runner: ModelRunner) -> dict[str, float]:
@@ -52,18 +60,34 @@ def _summarise(samples: list[dict[str, float]]) -> dict[str, float]:
     return row
 
 
-def bench_decode(model: torch.nn.Module, device: str, batch: int, steps: int) -> dict:
-    sched, runner = _engine(model, device, budget=2048)
+def bench_decode(model: LlamaForCausalLM, device: str, batch: int, steps: int,
+                 spec: SpeculativeConfig | None = None, case: str = "decode") -> dict:
+    sched, runner = _engine(model, device, 2048, spec)
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
     for i in range(batch):
         prompt = [(17 * i + j) % 49000 + 100 for j in range(32)]
         sched.add_request(Request(f"r{i}", prompt, params))
     _step(sched, runner)  # prefill all
     samples = [_step(sched, runner) for _ in range(steps)]
-    return {"case": f"decode x{batch}", "tokens_per_step": batch, **_summarise(samples)}
+    timing = _summarise(samples)
+    if spec is not None:
+        draft = round(1e3 * statistics.median(s["draft"] for s in samples), 3)
+        timing.update(draft_ms=draft, draft_fraction=round(draft / (timing["step_ms"] + draft), 4))
+    return {"case": f"{case} x{batch}", "tokens_per_step": batch, **timing}
 
 
-def bench_prefill(model: torch.nn.Module, device: str, length: int, repeats: int) -> dict:
+def bench_draft(model: LlamaForCausalLM, device: str, batch: int, steps: int,
+                vocab: int, tmp: Path) -> dict:
+    """Decode with an untrained EAGLE-3 head of this draft vocabulary drafting K = 4."""
+    head_dir = tmp / f"head{vocab}"
+    if not head_dir.exists():
+        head = Eagle3Head(Eagle3Config.for_target(model.config, vocab), model, seed=0)
+        save_eagle3(head, head_dir)
+    spec = SpeculativeConfig("eagle", 4, model=str(head_dir))
+    return bench_decode(model, device, batch, steps, spec, f"draft V={vocab}")
+
+
+def bench_prefill(model: LlamaForCausalLM, device: str, length: int, repeats: int) -> dict:
     samples = []
     for r in range(repeats):
         sched, runner = _engine(model, device, budget=length)
@@ -86,15 +110,20 @@ def main(argv: list[str] | None = None) -> dict:
     model = load_model(resolve_model(None), torch.float32, torch.device(args.device))
     rows = [bench_decode(model, args.device, b, steps) for b in (1, 8, 32)]
     rows.append(bench_prefill(model, args.device, 128 if args.quick else 512, repeats))
+    with tempfile.TemporaryDirectory() as tmp:
+        for vocab in (8192, model.config.vocab_size):
+            rows += [bench_draft(model, args.device, b, steps, vocab, Path(tmp))
+                     for b in (1, 8)]
     report = {"benchmark": "runner_step", "device": args.device, "dtype": "float32",
               "threads": torch.get_num_threads(), "quick": args.quick, "results": rows}
     write_report(out_path, report)
     print(f"{'case':<14}{'prepare ms':>11}{'forward ms':>11}{'sample ms':>10}"
           f"{'step ms':>9}{'prep %':>8}")
     for row in rows:
-        print(f"{row['case']:<14}{row['prepare_ms']:>11.2f}{row['forward_ms']:>11.1f}"
+        print(f"{row['case']:<18}{row['prepare_ms']:>11.2f}{row['forward_ms']:>11.1f}"
               f"{row['sample_ms']:>10.2f}{row['step_ms']:>9.1f}"
-              f"{100 * row['prepare_fraction']:>7.2f}%")
+              f"{100 * row['prepare_fraction']:>7.2f}%"
+              + (f"  draft {row['draft_ms']:.1f} ms" if "draft_ms" in row else ""))
     print(f"wrote {out_path}")
     return report
 

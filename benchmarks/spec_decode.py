@@ -1,7 +1,9 @@
 """Tokens per second with speculation off and with each method, on the default model.
 
 Two workloads: input-grounded (edit / rewrite text whose answer repeats the input,
-where lookup drafters shine) and open-ended. Concurrency 1 and 16. For each run:
+where lookup drafters shine) and open-ended. Concurrency 1 and 16 (at most that many
+requests running at once; at least 8 requests per run, so concurrency 1 serves 8
+requests one after another). For each run:
 output tokens per second, the ratio against speculation off from the same run, the
 acceptance figures, and the theoretical tokens per step (1 - a^(k+1)) / (1 - a) for
 the measured per-draft acceptance a. Requests go through the chat template and stop at
@@ -77,12 +79,12 @@ def head_variants(method: str, model_path: Path, random_heads: bool) -> list[str
 
 
 def run_one(model: LlamaForCausalLM, method: str | None, prompts: list[str], k: int,
-            max_tokens: int, head: str | None = None) -> dict:
+            max_tokens: int, head: str | None = None, concurrency: int = 16) -> dict:
     spec: dict | None = {"method": method, "num_speculative_tokens": k} if method else None
     if spec is not None and head is not None:
         spec["model"] = head
     llm = LLM(loaded_model=model, speculative_config=spec, max_num_batched_tokens=256,
-              max_num_seqs=16, max_model_len=1024)
+              max_num_seqs=concurrency, max_model_len=1024)
     params = SamplingParams(max_tokens=max_tokens)
     chats = [[{"role": "user", "content": p}] for p in prompts]
     llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
@@ -118,6 +120,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-random-heads", action="store_true",
                         help="skip the untrained-head rows where a trained head exists")
     parser.add_argument("--workloads", default="grounded,open,held-out")
+    parser.add_argument("--min-requests", type=int, default=None,
+                        help="requests per run even at concurrency 1, one at a time "
+                             "(default 8; --quick: 1)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     out_path = args.out or ROOT / "benchmarks" / "results" / (
@@ -125,6 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     methods = [m for m in args.methods.split(",") if m]
     concurrencies = (1, 4) if args.quick else (1, 16)
     max_tokens = 8 if args.quick else 64
+    min_requests = args.min_requests or (1 if args.quick else 8)
     torch.manual_seed(0)
     path = resolve_model(None)
     model = load_model(path, torch.float32, torch.device("cpu"))
@@ -133,13 +139,14 @@ def main(argv: list[str] | None = None) -> dict:
     for workload in args.workloads.split(","):
         prompts = workloads[workload]
         for conc in concurrencies:
-            batch = (prompts * conc)[:conc]
-            base = run_one(model, None, batch, args.k, max_tokens)
+            # At least `min_requests` requests, at most `conc` running at once.
+            batch = (prompts * conc)[:max(conc, min(min_requests, len(prompts)))]
+            base = run_one(model, None, batch, args.k, max_tokens, concurrency=conc)
             rows.append({"workload": workload, "concurrency": conc, **base,
                          "speedup_vs_off": 1.0, "lossless": True})
             for method in methods:
                 for head in head_variants(method, path, not args.no_random_heads):
-                    row = run_one(model, method, batch, args.k, max_tokens, head)
+                    row = run_one(model, method, batch, args.k, max_tokens, head, conc)
                     row.update(workload=workload, concurrency=conc, speedup_vs_off=round(
                         row["tokens_per_s"] / base["tokens_per_s"], 3),
                                lossless=row["outputs"] == base["outputs"])

@@ -35,6 +35,7 @@ from runner.models.llama import (
     LlamaMLP,
     RMSNorm,
     rope_inv_freq,
+    vocab_projection,
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -180,7 +181,7 @@ class Eagle3Head(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> fp32 logits over the draft vocabulary."""
-        return self.lm_head(self.norm(hidden)).float()
+        return vocab_projection(self.norm(hidden), self.lm_head.weight).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -45,9 +45,12 @@ def test_runner_step_quick(tmp_path: Path) -> None:
 
     report = runner_step.main(["--quick", "--device", "cpu", "--out", str(tmp_path / "r.json")])
     cases = [row["case"] for row in report["results"]]
-    assert cases == ["decode x1", "decode x8", "decode x32", "prefill 128"]
+    assert cases == ["decode x1", "decode x8", "decode x32", "prefill 128",
+                     "draft V=8192 x1", "draft V=8192 x8", "draft V=49152 x1",
+                     "draft V=49152 x8"]
     for row in report["results"]:
         assert row["step_ms"] > 0 and 0 < row["prepare_fraction"] < 1
+        assert ("draft_ms" in row) == row["case"].startswith("draft")
 
 
 def test_spec_decode_quick(tmp_path: Path) -> None:

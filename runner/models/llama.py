@@ -124,6 +124,19 @@ def rope_inv_freq(config: LlamaConfig, device: torch.device) -> torch.Tensor:
     return torch.where(middle, ramped, out)
 
 
+def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [N, H] @ weight[V, H].T for a wide vocabulary V.
+
+    On CPU it runs as (weight @ hidden.T).T: the BLAS here is 2-4x faster with the
+    vocabulary as the GEMM's long side for the few rows of a decode or verification
+    step (49,152 x 576 fp32: 2-8 rows 11-17 ms against 34-41 ms as a linear; 64 rows
+    51 against 82 ms), and that projection is the biggest matmul of such a step.
+    """
+    if hidden.device.type == "cpu":
+        return torch.mm(weight, hidden.t()).t()
+    return F.linear(hidden, weight)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF rotate_half RoPE: dims (i, i + D/2) of each head form one rotated pair.
 
@@ -283,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in fp32 (sampling wants fp32)."""
-        return self.lm_head(hidden).float()
+        return vocab_projection(hidden, self.lm_head.weight).float()
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Copy an HF-named state dict in, strictly: every parameter must be given once
