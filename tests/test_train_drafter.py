@@ -20,12 +20,14 @@ from training.features import target_features
 from training.layouts import greedy_run
 from training.train import (
     IGNORE,
+    MISSING,
     Batch,
     TrainConfig,
     draft_vocab,
     evaluate,
     init_from_target,
     train_head,
+    unrolled_loss,
 )
 
 LENGTH, DRAFT_VOCAB = 48, 512
@@ -45,9 +47,8 @@ def data() -> tuple[Batch, Batch, torch.Tensor]:
 
     def batch(split: str) -> Batch:
         windows, aux, labels = splits[split]
-        mapped = t2d[labels]
-        return Batch(aux, windows, torch.where(mapped >= 0, mapped, IGNORE),
-                     greedy_run(windows, labels))
+        # Labels outside the draft vocabulary stay MISSING: misses, as when serving.
+        return Batch(aux, windows, t2d[labels], greedy_run(windows, labels))
 
     return batch("train"), batch("eval"), d2t
 
@@ -82,6 +83,33 @@ def test_tiny_training_learns_on_held_out_code(method: str,
     # First-draft agreement with the target's own greedy token.
     assert after_acc[0] > 0.1 and after_acc[0] > 2 * before_acc[0]
     assert after_acc[1] > before_acc[1]  # the second draft learned too
+
+
+def test_prompt_text_and_padding_carry_no_label() -> None:
+    """Serving never drafts inside a prompt: label t (the token at t + 1) is IGNORE
+    while t + 1 is prompt text, and past a window's real length."""
+    from training.pipeline import WINDOW, build_batch
+
+    model = default_model()
+    windows = code_windows(Tokenizer.from_dir(resolve_model(None)), WINDOW, 2, "eval")
+    _, labels = build_batch(model, windows, torch.tensor([WINDOW, 100]), torch.tensor([10, 0]),
+                            Eagle3Config.for_target(model.config, DRAFT_VOCAB).aux_layer_ids)
+    assert (labels[0, :9] == IGNORE).all() and (labels[0, 9:] >= 0).all()
+    assert (labels[1, :100] >= 0).all() and (labels[1, 100:] == IGNORE).all()
+
+
+def test_a_token_outside_the_draft_vocabulary_is_a_miss_not_skipped(
+        data: tuple[Batch, Batch, torch.Tensor]) -> None:
+    """Serving can never draft a token the draft vocabulary lacks, so agreement counts
+    it as a miss; it carries no loss (it has no draft id)."""
+    _, held_out, d2t = data
+    head = fresh_head(d2t)
+    missing = Batch(held_out.aux, held_out.tokens, torch.full_like(held_out.labels, MISSING),
+                    held_out.chain)
+    loss, accs = unrolled_loss(head, missing, 2)
+    assert float(loss) == 0.0 and accs[0][0] == 0 and accs[0][1] > 0
+    scored = unrolled_loss(head, held_out, 2)[1][0][1]
+    assert accs[0][1] == scored  # the same rows scored, none of them hits
 
 
 def test_training_is_deterministic_and_resumes(data: tuple[Batch, Batch, torch.Tensor],

@@ -50,31 +50,38 @@ FEATURE_CHUNK = 16  # windows per target forward
 
 
 def chat_windows(llm: LLM, prompts: list[str], max_windows: int, seed: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's own answers, prompt included: [N, WINDOW] ids and real lengths."""
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's own answers, prompt included: [N, WINDOW] ids, real lengths and
+    prompt lengths."""
     params = SamplingParams(max_tokens=WINDOW, temperature=0.0, seed=seed)
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts[:max_windows]],
                     params)
     eos = llm.tokenizer.eos_token_id or 0
-    windows, lengths = [], []
+    windows, lengths, prompt_lengths = [], [], []
     for out in outs:
         ids = (out.prompt_token_ids + list(out.outputs[0].token_ids))[:WINDOW]
         lengths.append(len(ids))
+        prompt_lengths.append(len(out.prompt_token_ids))
         windows.append(ids + [eos] * (WINDOW - len(ids)))
-    return torch.tensor(windows, dtype=torch.int64), torch.tensor(lengths)
+    return (torch.tensor(windows, dtype=torch.int64), torch.tensor(lengths),
+            torch.tensor(prompt_lengths))
 
 
 def build_batch(model: LlamaForCausalLM, windows: torch.Tensor, lengths: torch.Tensor,
-                aux_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features and target labels (target ids) for every window, padding IGNORE."""
+                prompt_lengths: torch.Tensor, aux_ids: tuple[int, ...]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features and target labels (target ids) for every window. Padding, and the
+    labels of prompt text (position t labels the token at t + 1, which serving never
+    drafts inside a prompt), are IGNORE; the prompt stays as context."""
     feats, labels = [], []
     for start in range(0, len(windows), FEATURE_CHUNK):
         aux, lab = target_features(model, windows[start:start + FEATURE_CHUNK], aux_ids)
         feats.append(aux)
         labels.append(lab)
     label = torch.cat(labels)
-    pad = torch.arange(WINDOW)[None, :] >= lengths[:, None]
-    return torch.cat(feats), label.masked_fill(pad, IGNORE)
+    pos = torch.arange(WINDOW)[None, :]
+    unlabelled = (pos >= lengths[:, None]) | (pos + 1 < prompt_lengths[:, None])
+    return torch.cat(feats), label.masked_fill(unlabelled, IGNORE)
 
 
 def self_distilled_data(llm: LLM, model: LlamaForCausalLM, args: argparse.Namespace,
@@ -82,7 +89,7 @@ def self_distilled_data(llm: LLM, model: LlamaForCausalLM, args: argparse.Namesp
     """(windows, aux, labels) per split, kept in `cache/<key>.pt`: the data depends
     only on the target, the seed and the sizes, so the heads of every method share
     it, and a resumed run does not generate it again."""
-    key = hashlib.sha256(json.dumps([model.config.hidden_size, args.tokens, args.seed,
+    key = hashlib.sha256(json.dumps(["v2", model.config.hidden_size, args.tokens, args.seed,
                                      args.max_prompts, WINDOW, list(aux_ids),
                                      str(args.model)]).encode()).hexdigest()[:16]
     file = cache / f"{key}.pt"
@@ -94,11 +101,12 @@ def self_distilled_data(llm: LLM, model: LlamaForCausalLM, args: argparse.Namesp
                                         instructions("train")[:args.max_prompts]),
                                        ("eval", max(1, per_source // 10),
                                         instructions("eval"))):
-        chat, chat_len = chat_windows(llm, chat_prompts, count, args.seed)
+        chat, chat_len, chat_prompt = chat_windows(llm, chat_prompts, count, args.seed)
         code = code_windows(llm.tokenizer, WINDOW, count, split)
         windows = torch.cat((chat, code))
         lengths = torch.cat((chat_len, torch.full((len(code),), WINDOW)))
-        aux, labels = build_batch(model, windows, lengths, aux_ids)
+        prompts = torch.cat((chat_prompt, torch.zeros(len(code), dtype=torch.int64)))
+        aux, labels = build_batch(model, windows, lengths, prompts, aux_ids)
         splits[split] = (windows, aux, labels)
     cache.mkdir(parents=True, exist_ok=True)
     tmp = file.with_suffix(".tmp")
@@ -124,9 +132,9 @@ def run(args: argparse.Namespace) -> dict:
 
     def batch(split: str) -> Batch:
         windows, aux, labels = splits[split]
+        # t2d gives MISSING (-1) for a token outside the draft vocabulary.
         mapped = torch.where(labels >= 0, t2d[labels.clamp(min=0)], IGNORE)
-        return Batch(aux, windows, torch.where(mapped >= 0, mapped, IGNORE),
-                     greedy_run(windows, labels))
+        return Batch(aux, windows, mapped, greedy_run(windows, labels))
 
     head = Eagle3Head(config, model, seed=args.seed)
     init_from_target(head, model, d2t)

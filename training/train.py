@@ -22,7 +22,8 @@ from runner.eagle3 import Eagle3Head
 from runner.models.llama import LlamaForCausalLM, apply_rope
 from training.layouts import LAYOUTS, MASK_TOKEN_ID, TrainLayout, step_targets
 
-IGNORE = -100
+IGNORE = -100  # no label: padding, prompt text, a row outside its chain
+MISSING = -1  # the target's token lies outside the draft vocabulary: no loss, a miss
 EAGLE = LAYOUTS["eagle"]
 
 
@@ -32,7 +33,7 @@ class Batch:
 
     aux: torch.Tensor  # [N, T, 3H]
     tokens: torch.Tensor  # [N, T]
-    labels: torch.Tensor  # [N, T] draft ids of the target's greedy tokens, or IGNORE
+    labels: torch.Tensor  # [N, T] draft ids of the target's greedy tokens, MISSING or IGNORE
     chain: torch.Tensor  # [N, T] layouts.greedy_run of the tokens and target-id labels
 
 
@@ -44,7 +45,7 @@ def draft_vocab(labels: torch.Tensor, vocab_size: int, size: int
     """
     counts = torch.bincount(labels.reshape(-1), minlength=vocab_size)
     top = torch.sort(torch.topk(counts, size).indices).values
-    t2d = torch.full((vocab_size,), -1, dtype=torch.int64)
+    t2d = torch.full((vocab_size,), MISSING, dtype=torch.int64)
     t2d[top] = torch.arange(size)
     return top - torch.arange(size), t2d
 
@@ -146,21 +147,25 @@ def unroll(head: Eagle3Head, aux: torch.Tensor, tokens: torch.Tensor, depth: int
 def unrolled_loss(head: Eagle3Head, batch: Batch, depth: int, layout: TrainLayout = EAGLE,
                   decay: float = 0.8) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Weighted cross-entropy over the method's unrolled steps; (top-1 hits, rows) of
-    each step that drafts, over the rows where it trains."""
+    each step that drafts, over the rows where it trains. A MISSING label counts as
+    a miss, as serving can never draft that token."""
     outs = unroll(head, batch.aux, batch.tokens, depth, layout)
     rows = outs[0].shape[1]
     losses, weights, accs = [], [], []
     for j, out in enumerate(outs[layout.first_loss_step:], start=layout.first_loss_step):
         target = step_targets(layout, batch.labels, batch.chain, rows, j, IGNORE)
-        valid = target != IGNORE
-        if not bool(valid.any()):
+        scored = target != IGNORE
+        if not bool(scored.any()):
             accs.append((0, 0))
             continue
-        logits = head.lm_head(head.norm(out[valid])).float()
-        weight = decay ** (j - layout.first_loss_step)
-        losses.append(weight * F.cross_entropy(logits, target[valid]))
-        weights.append(weight)
-        accs.append((int((logits.argmax(-1) == target[valid]).sum()), int(valid.sum())))
+        logits = head.compute_logits(out[scored])
+        wanted = target[scored]
+        known = wanted >= 0
+        if bool(known.any()):
+            weight = decay ** (j - layout.first_loss_step)
+            losses.append(weight * F.cross_entropy(logits[known], wanted[known]))
+            weights.append(weight)
+        accs.append((int((logits.argmax(-1) == wanted).sum()), int(scored.sum())))
     total = torch.stack(losses).sum() if losses else outs[0].sum() * 0
     return total / max(sum(weights), 1e-9), accs
 
