@@ -38,6 +38,7 @@ from runner.model_prep import resolve_model  # noqa: E402
 from runner.models.llama import LlamaForCausalLM  # noqa: E402
 from scheduler import SamplingParams  # noqa: E402
 from spec_decode import METHODS  # noqa: E402
+from spec_decode.methods import get_method  # noqa: E402
 from training.prompts import instructions  # noqa: E402
 
 # Chat requests to the instruct model. Grounded: the answer repeats the input (edit,
@@ -67,12 +68,13 @@ def theoretical_tokens_per_step(alpha: float | None, k: int) -> float | None:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-HEAD_METHODS = ("eagle", "mtp", "parallel", "dflash")
+def is_head_method(method: str | None) -> bool:
+    return method is not None and get_method(method).drafter == "head"
 
 
 def head_variants(method: str, model_path: Path, random_heads: bool) -> list[str | None]:
     """The `model` values to run: the trained head if cached, and the random one."""
-    if method not in HEAD_METHODS:
+    if not is_head_method(method):
         return [None]
     trained = [None] if find_trained_head(model_path, method) else []
     return trained + (["random"] if random_heads or not trained else [])
@@ -100,7 +102,7 @@ def run_one(model: LlamaForCausalLM, method: str | None, prompts: list[str], k: 
     alpha = accepted / drafted if drafted else None
     return {
         "method": method or "off", "num_speculative_tokens": k if method else 0,
-        "head": None if method not in HEAD_METHODS else (head or "trained"),
+        "head": (head or "trained") if is_head_method(method) else None,
         "output_tokens": tokens, "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 2),
         "steps": llm.get_metrics()["num_steps"],

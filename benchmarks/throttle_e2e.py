@@ -44,6 +44,7 @@ from runner.models.llama import LlamaForCausalLM  # noqa: E402
 from scheduler import CacheConfig, Request, SamplingParams, Scheduler  # noqa: E402
 from scheduler.budget import ThrottleRule  # noqa: E402
 from spec_decode import SpeculativeConfig  # noqa: E402
+from spec_decode.methods import get_method  # noqa: E402
 from training.data import code_windows  # noqa: E402
 from training.prompts import instructions  # noqa: E402
 
@@ -93,7 +94,7 @@ def make_rule(name: str, spec: SpeculativeConfig, work: Workload) -> ThrottleRul
 
 def head_for(method: str, model_path: Path) -> str | None:
     """The speculative config's "model": the trained head if cached, else random."""
-    if method not in ("eagle", "mtp", "parallel", "dflash"):
+    if get_method(method).drafter != "head":
         return None
     return None if find_trained_head(model_path, method) else "random"
 

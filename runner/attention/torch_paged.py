@@ -50,7 +50,7 @@ class TorchPagedAttention(AttentionBackend):
         # The plan for the last metadata seen: every layer of a step shares it. Runners
         # build a fresh AttentionMetadata per pass and never change one, so identity
         # is the right key (the held reference keeps its id from being reused).
-        self._plan: tuple[AttentionMetadata, int, BatchedPlan | None] | None = None
+        self._plan: tuple[AttentionMetadata, int, BatchedPlan | None, list[int]] | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -59,18 +59,21 @@ class TorchPagedAttention(AttentionBackend):
         write_kv(key[:num_tokens], value[:num_tokens], key_cache, value_cache,
                  meta.slot_mapping[:num_tokens])
         out = torch.empty_like(query[:num_tokens])
-        plan = self._batched_plan(meta, key_cache.shape[1])
+        plan, alone = self._split(meta, key_cache.shape[1])
         if plan is not None:
             _attend_batched(query, key_cache, value_cache, plan, scale, out)
-        for i in range(meta.num_reqs):
-            if plan is None or i not in plan.reqs:
-                _attend_one(query, key_cache, value_cache, meta, scale, i, out)
+        for i in alone:
+            _attend_one(query, key_cache, value_cache, meta, scale, i, out)
         return out
 
-    def _batched_plan(self, meta: AttentionMetadata, block_size: int) -> BatchedPlan | None:
+    def _split(self, meta: AttentionMetadata, block_size: int
+               ) -> tuple[BatchedPlan | None, list[int]]:
+        """The padded call's plan and the requests that run one call each."""
         if self._plan is None or self._plan[0] is not meta or self._plan[1] != block_size:
-            self._plan = (meta, block_size, plan_batched(meta, block_size))
-        return self._plan[2]
+            plan = plan_batched(meta, block_size)
+            alone = [i for i in range(meta.num_reqs) if plan is None or i not in plan.reqs]
+            self._plan = (meta, block_size, plan, alone)
+        return self._plan[2], self._plan[3]
 
 
 def _attend_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
