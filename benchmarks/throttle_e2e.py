@@ -9,12 +9,14 @@ decode, with B small enough (256) that the drafter's passes bind.
 
 Arrivals are counted in engine steps, not seconds, so every rule sees the same
 workload and the same decisions whatever this shared machine's speed; timings are
-wall-clock. Per run: output tokens/s, TTFT p50/p99 (from a request's arrival step),
-steps, target and drafter rows per step; outputs must be identical under all three
-rules (greedy). Heads: the trained default when the cache has one, else an untrained
-head (`"model": "random"`, labelled) that keeps the passes' shapes but accepts nothing.
+wall-clock, each rule run `--rounds` times with the order rotated every round (the
+median round is reported, every round listed). Per rule: output tokens/s, TTFT
+p50/p99 (from a request's arrival step), steps, target and drafter rows per step;
+outputs must be identical under all three rules and every round (greedy). Heads: the
+trained default when the cache has one, else an untrained head (`"model": "random"`,
+labelled) that keeps the passes' shapes but accepts nothing.
 
-    python benchmarks/throttle_e2e.py [--quick] [--methods dflash:8,parallel:4,...]
+    python benchmarks/throttle_e2e.py [--quick] [--rounds 3] [--methods dflash:8,...]
 """
 
 from __future__ import annotations
@@ -159,19 +161,46 @@ def run_rule(model: LlamaForCausalLM, spec: SpeculativeConfig, rule_name: str,
     }
 
 
+def rotated(round_index: int) -> tuple[str, ...]:
+    """The rules' order in one round: each rule goes first, middle and last in turn,
+    so a drift in this shared machine's speed does not favour one rule."""
+    shift = round_index % len(RULES)
+    return RULES[shift:] + RULES[:shift]
+
+
+def merge_rounds(runs: list[dict]) -> dict:
+    """One rule's rounds as one row: the decisions (steps, rows, outputs) must not
+    differ between rounds; timings are the median round, with every round listed."""
+    first = dict(runs[0])
+    if first["status"] != "ok":
+        return first
+    for key in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "seconds"):
+        first[key] = round(statistics.median(r[key] for r in runs), 3)
+    first["rounds_tokens_per_s"] = [r["output_tokens_per_s"] for r in runs]
+    first["same_decisions_every_round"] = all(
+        (r["steps"], r["outputs"]) == (runs[0]["steps"], runs[0]["outputs"]) for r in runs)
+    return first
+
+
 def run_method(model: LlamaForCausalLM, model_path: Path, method: str, k: int,
-               prompts: list[list[int]], work: Workload, eos: int | None) -> list[dict]:
+               prompts: list[list[int]], work: Workload, eos: int | None,
+               rounds: int = 3) -> list[dict]:
     head = head_for(method, model_path)
     spec = SpeculativeConfig(method, k, model=head)
     warm = Workload(num_requests=1, burst=1, prompt_tokens=(8, 8), max_tokens=2,
                     budget=work.budget, max_num_seqs=work.max_num_seqs,
                     max_model_len=work.max_model_len)
     run_rule(model, spec, "ours", prompts[:1], warm, eos)  # first-call costs, left out
-    runs = [run_rule(model, spec, rule, prompts, work, eos) for rule in RULES]
+    by_rule: dict[str, list[dict]] = {rule: [] for rule in RULES}
+    for round_index in range(rounds):
+        for rule in rotated(round_index):
+            by_rule[rule].append(run_rule(model, spec, rule, prompts, work, eos))
+    runs = [merge_rounds(by_rule[rule]) for rule in RULES]
     ok = [r for r in runs if r["status"] == "ok"]
     ours = ok[0]
     for run in runs:
-        run.update(method=method, k=k, head="random" if head else "trained/default")
+        run.update(method=method, k=k, rounds=rounds,
+                   head="random" if head else "trained/default")
         if run["status"] != "ok":
             continue
         run["identical_outputs"] = run["outputs"] == ours["outputs"]
@@ -209,6 +238,8 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = bench_parser(__doc__, DEFAULT_OUT)
     parser.add_argument("--methods", default="dflash:8,parallel:4,draft_model:4")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="runs per rule, the order rotated each round")
     args = parser.parse_args(argv)
     work = QUICK if args.quick else Workload()
     torch.manual_seed(0)
@@ -220,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
     for item in args.methods.split(","):
         method, k = item.split(":")
         for run in run_method(model, path, method, int(k), prompts, work,
-                              tokenizer.eos_token_id):
+                              tokenizer.eos_token_id, args.rounds):
             rows.append(run)
             print({key: v for key, v in run.items() if key != "reason"}, flush=True)
     out = out_path(args, DEFAULT_OUT)

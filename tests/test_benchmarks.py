@@ -73,7 +73,7 @@ def test_throttle_e2e_quick(tmp_path: Path) -> None:
     reported, and the static reservation's smaller target budget is the one it ran."""
     from benchmarks import throttle_e2e
 
-    report = throttle_e2e.main(["--quick", "--methods", "dflash:2",
+    report = throttle_e2e.main(["--quick", "--methods", "dflash:2", "--rounds", "2",
                                 "--out", str(tmp_path / "e.json")])
     assert (tmp_path / "e.png").stat().st_size > 0
     rows = {row["rule"]: row for row in report["results"]}
@@ -81,9 +81,33 @@ def test_throttle_e2e_quick(tmp_path: Path) -> None:
     work = report["workload"]
     for row in rows.values():
         assert row["status"] == "ok" and row["identical_outputs"]
+        assert row["same_decisions_every_round"] and len(row["rounds_tokens_per_s"]) == 2
         assert row["output_tokens"] == work["num_requests"] * work["max_tokens"]
         assert row["steps"] > 0 and row["ttft_p50_s"] <= row["ttft_p99_s"]
         assert 0 < row["target_rows_per_step"] <= work["budget"]
     # dflash K=2: S = K + 1 = 3 rows reserved per sequence under the static rule.
     assert rows["vllm_static"]["target_budget"] == work["budget"] - 3 * work["max_num_seqs"]
     assert rows["ours"]["target_budget"] == work["budget"]
+
+
+def test_throttle_e2e_rotates_rule_order() -> None:
+    """Every rule goes first once in three rounds, and each round runs every rule."""
+    from benchmarks.throttle_e2e import RULES, rotated
+
+    orders = [rotated(r) for r in range(3)]
+    assert {order[0] for order in orders} == set(RULES)
+    assert all(sorted(order) == sorted(RULES) for order in orders)
+
+
+def test_throttle_e2e_merge_flags_rounds_that_decided_differently() -> None:
+    """Rounds that took different steps are reported, not hidden by the median."""
+    from benchmarks.throttle_e2e import merge_rounds
+
+    base = {"status": "ok", "output_tokens_per_s": 10.0, "ttft_p50_s": 1.0,
+            "ttft_p99_s": 2.0, "seconds": 5.0, "steps": 7, "outputs": {"0": [1, 2]}}
+    same = merge_rounds([base, dict(base, output_tokens_per_s=12.0), dict(base)])
+    assert same["same_decisions_every_round"] and same["output_tokens_per_s"] == 10.0
+    assert same["rounds_tokens_per_s"] == [10.0, 12.0, 10.0]
+    assert not merge_rounds([base, dict(base, steps=8)])["same_decisions_every_round"]
+    assert not merge_rounds([base, dict(base, outputs={"0": [1, 3]})])[
+        "same_decisions_every_round"]
