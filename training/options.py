@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="K the head is trained for: drafts per chain in training")
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
     parser.add_argument("--tokens", type=int, default=64_000,
-                        help="training positions (half chat, half code)")
+                        help="training positions (three quarters chat, a quarter code)")
     parser.add_argument("--updates", type=int, default=300)
     parser.add_argument("--max-prompts", type=int, default=None,
                         help="use only the first N training instructions")
