@@ -92,9 +92,10 @@ def self_distilled_data(llm: LLM, model: LlamaForCausalLM, args: argparse.Namesp
     """(windows, aux, labels) per split, kept in `cache/<key>.pt`: the data depends
     only on the target, the seed and the sizes, so the heads of every method share
     it, and a resumed run does not generate it again."""
-    key = hashlib.sha256(json.dumps(["v3", CHAT_SHARE, model.config.hidden_size, args.tokens, args.seed,
-                                     args.max_prompts, WINDOW, list(aux_ids),
-                                     str(args.model)]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps(["v3", CHAT_SHARE, model.config.hidden_size,
+                                     args.tokens, args.seed, args.max_prompts, WINDOW,
+                                     list(aux_ids), str(args.model)]).encode()
+                         ).hexdigest()[:16]
     file = cache / f"{key}.pt"
     if file.exists():
         return dict(torch.load(file, weights_only=True))
