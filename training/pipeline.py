@@ -92,7 +92,7 @@ def self_distilled_data(llm: LLM, model: LlamaForCausalLM, args: argparse.Namesp
     """(windows, aux, labels) per split, kept in `cache/<key>.pt`: the data depends
     only on the target, the seed and the sizes, so the heads of every method share
     it, and a resumed run does not generate it again."""
-    key = hashlib.sha256(json.dumps(["v3", CHAT_SHARE, model.config.hidden_size,
+    key = hashlib.sha256(json.dumps(["v4", CHAT_SHARE, model.config.hidden_size,
                                      args.tokens, args.seed, args.max_prompts, WINDOW,
                                      list(aux_ids), str(args.model)]).encode()
                          ).hexdigest()[:16]
@@ -107,7 +107,8 @@ def self_distilled_data(llm: LLM, model: LlamaForCausalLM, args: argparse.Namesp
                                         instructions("eval"))):
         num_chat = max(1, round(count * CHAT_SHARE))
         chat, chat_len, chat_prompt = chat_windows(llm, chat_prompts, num_chat, args.seed)
-        code = code_windows(llm.tokenizer, WINDOW, max(1, count - num_chat), split)
+        # Code fills what chat could not (fewer instructions than chat windows).
+        code = code_windows(llm.tokenizer, WINDOW, max(1, count - len(chat)), split)
         windows = torch.cat((chat, code))
         lengths = torch.cat((chat_len, torch.full((len(code),), WINDOW)))
         prompts = torch.cat((chat_prompt, torch.zeros(len(code), dtype=torch.int64)))
