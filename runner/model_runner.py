@@ -135,8 +135,10 @@ class ModelRunner:
             self.states.add(new)
             if self.spec:
                 self.spec.add_request(new.req_id, new.prompt_token_ids + new.output_token_ids)
-        for cached in out.scheduled_cached_reqs:
-            self.states.update(cached)
+        cached = out.scheduled_cached_reqs
+        for rid, block_ids, computed in zip(cached.req_ids, cached.new_block_ids,
+                                            cached.num_computed_tokens):
+            self.states.update(rid, block_ids, computed)
 
     def discard(self, out: SchedulerOutput) -> None:
         """Forget every request a failed step touched: whatever `execute` wrote for them
@@ -154,7 +156,7 @@ class ModelRunner:
         slots it will own once this step's new blocks are appended."""
         states = self.states
         new = {data.req_id: data for data in out.scheduled_new_reqs}
-        new_blocks = {data.req_id: len(data.new_block_ids) for data in out.scheduled_cached_reqs}
+        new_blocks = out.scheduled_cached_reqs.num_new_blocks()
         rows = np.array([0 if rid in new else states.row_of[rid] for rid in req_ids],
                         dtype=np.int64)
         tokens, prompt = states.num_tokens[rows], states.num_prompt[rows]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from scheduler.outputs import CachedRequestData, NewRequestData
+from scheduler.outputs import NewRequestData
 
 
 class RequestStates:
@@ -65,10 +65,11 @@ class RequestStates:
             # Its draws are keyed by (seed, position): never by the batch or the drafts.
             self.seeds[row] = params.seed
 
-    def update(self, cached: CachedRequestData) -> None:
-        row = self.row_of[cached.req_id]
-        self.num_computed[row] = cached.num_computed_tokens
-        self._append_blocks(row, cached.new_block_ids)
+    def update(self, req_id: str, new_block_ids: list[int], num_computed_tokens: int) -> None:
+        """A running request's step (`CachedRequestData` entry)."""
+        row = self.row_of[req_id]
+        self.num_computed[row] = num_computed_tokens
+        self._append_blocks(row, new_block_ids)
 
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]

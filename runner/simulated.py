@@ -88,7 +88,7 @@ class SimulatedRunner:
     def _facts(self, out: SchedulerOutput, req_ids: list[str]) -> StepFacts:
         """Each request's counters before the step, as `ModelRunner._step_facts`."""
         new = {data.req_id: data for data in out.scheduled_new_reqs}
-        new_blocks = {data.req_id: len(data.new_block_ids) for data in out.scheduled_cached_reqs}
+        new_blocks = out.scheduled_cached_reqs.num_new_blocks()
         columns = []
         for rid in req_ids:
             if rid in new:
@@ -115,10 +115,12 @@ class SimulatedRunner:
             self.reqs[new.req_id] = _ReqState(
                 prompt + len(new.output_token_ids), new.num_computed_tokens, prompt,
                 new.sampling_params.max_tokens, len(new.block_ids))
-        for cached in out.scheduled_cached_reqs:
-            state = self.reqs[cached.req_id]
-            state.num_computed = cached.num_computed_tokens
-            state.num_blocks += len(cached.new_block_ids)
+        cached = out.scheduled_cached_reqs
+        for rid, block_ids, computed in zip(cached.req_ids, cached.new_block_ids,
+                                            cached.num_computed_tokens):
+            state = self.reqs[rid]
+            state.num_computed = computed
+            state.num_blocks += len(block_ids)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         req_ids = list(out.num_scheduled_tokens)

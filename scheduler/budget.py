@@ -12,8 +12,14 @@ method's cost table, spec_decode/methods/).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from spec_decode import SpecMethod, SpeculativeConfig, min_decode_rows
+
+if TYPE_CHECKING:
+    from scheduler.running_plan import RunPlan
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,15 @@ def k_rule(max_k: int, max_model_len: int, req: RequestView, num_spec: int) -> i
                       req.max_tokens - (req.num_output_tokens + num_spec) - 2))
 
 
+def k_rule_array(max_k: int, max_model_len: int, num_tokens: np.ndarray,
+                 num_output: np.ndarray, max_tokens: np.ndarray,
+                 num_spec: np.ndarray) -> np.ndarray:
+    """`k_rule` for many requests at once (all arrays [num_reqs])."""
+    room = np.minimum(max_model_len - (num_tokens + num_spec + 2),
+                      max_tokens - (num_output + num_spec) - 2)
+    return np.clip(room, 0, max_k)
+
+
 class ThrottleRule:
     """Rows charged per pass for a chunk; swapped for vLLM's rules in benchmarks."""
 
@@ -74,6 +89,24 @@ class ThrottleRule:
     def initial_budget(self, max_num_batched_tokens: int) -> list[int]:
         """Rows each pass may take in a fresh step; every pass gets all of B."""
         return [max_num_batched_tokens] * self.num_passes
+
+    def row_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The cost table as arrays, for planning many requests at once.
+
+        (ctx [num_passes], base [max_k + 1, num_passes], lookahead [max_k + 1]): a
+        chunk of n tokens proposing k drafts charges `n * ctx + base[k]` rows and holds
+        `lookahead[k]` slots. Read from `plan` itself, so a rule that overrides it
+        (benchmarks' vLLM rules) is tabled too; None if its rows are not of that
+        form, and the scheduler then plans every request with `plan_chunk`.
+        """
+        ks = range(self.max_k + 1)
+        one = np.array([self.plan(1, 0, k).rows for k in ks], dtype=np.int64)
+        two = np.array([self.plan(2, 0, k).rows for k in ks], dtype=np.int64)
+        ctx = two[0] - one[0]
+        if not (np.all(two - one == ctx) and np.isin(ctx, (0, 1)).all()):
+            return None
+        lookahead = np.array([self.plan(1, 0, k).lookahead for k in ks], dtype=np.int64)
+        return ctx, one - ctx, lookahead
 
     def plan(self, n: int, num_spec: int, k: int) -> ChunkPlan:
         """The method's cost table, target pass first."""
@@ -121,21 +154,40 @@ def _fits(plan: ChunkPlan, remaining: list[int]) -> bool:
 
 
 class StepBudget:
-    """Remaining rows of each pass in the step being scheduled, and who paid what."""
+    """Remaining rows of each pass in the step being scheduled, and who paid what.
+
+    `run` holds the leading running requests planned together (`charge_run`),
+    `charges` everyone planned one by one after them; a refund inside the run turns
+    it into single charges first, keeping the order.
+    """
 
     def __init__(self, rule: ThrottleRule, max_num_batched_tokens: int) -> None:
         self.rule = rule
         self.remaining = rule.initial_budget(max_num_batched_tokens)
+        self.run: RunPlan | None = None
         self.charges: dict[str, ChunkPlan] = {}
         self.num_refunds = 0  # preemptions that gave rows back after others were planned
 
+    def charge_run(self, run: RunPlan) -> None:
+        assert self.run is None and not self.charges, "the run is charged first"
+        self.run = run
+        self.remaining = [rem - row for rem, row in zip(self.remaining, run.total_rows)]
+
     def charge(self, req_id: str, plan: ChunkPlan) -> None:
+        # The run's requests are never planned again (a refund ends the run first).
         assert req_id not in self.charges, f"{req_id} charged twice in one step"
         self.charges[req_id] = plan
         self.remaining = [rem - row for rem, row in zip(self.remaining, plan.rows)]
 
+    def is_charged(self, req_id: str) -> bool:
+        return req_id in self.charges or (
+            self.run is not None and any(r.request_id == req_id for r in self.run.requests))
+
     def refund(self, req_id: str) -> ChunkPlan:
         """Give back exactly what `req_id` was charged (preempted, or to be re-planned)."""
+        if self.run is not None and req_id not in self.charges:
+            self.charges = {**self.run.chunk_plans(), **self.charges}
+            self.run = None
         plan = self.charges.pop(req_id)
         self.remaining = [rem + row for rem, row in zip(self.remaining, plan.rows)]
         self.num_refunds += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Sequence
 
 from scheduler.block_pool import BlockPool, KVCacheBlock
 from scheduler.config import CacheConfig
@@ -102,6 +103,18 @@ class KVCacheManager:
             self._num_cached[request.request_id] = len(blocks)
         blocks.extend(self.pool.allocate(new))
         return True
+
+    def append_blocks(self, requests: Sequence[Request],
+                      counts: Sequence[int]) -> dict[str, list[int]]:
+        """Give `counts[i]` more blocks to running request i (the caller checked that
+        the pool holds them all); returns the new block ids of those that got any."""
+        new_ids = {}
+        for request, count in zip(requests, counts):
+            if count:
+                blocks = self.pool.allocate(count)
+                self.req_blocks[request.request_id].extend(blocks)
+                new_ids[request.request_id] = [block.block_id for block in blocks]
+        return new_ids
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register every full block of verified, computed tokens in the prefix cache."""

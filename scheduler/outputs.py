@@ -21,11 +21,19 @@ class NewRequestData:
 
 @dataclass(frozen=True)
 class CachedRequestData:
-    """What changed for a request the runner already holds."""
+    """What changed for the requests the runner already holds: entry i of each list
+    is request `req_ids[i]` (one object per step, not one per request: a step may
+    carry thousands)."""
 
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # blocks appended
+    num_computed_tokens: list[int] = field(default_factory=list)  # before the step
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def num_new_blocks(self) -> dict[str, int]:
+        return {rid: len(ids) for rid, ids in zip(self.req_ids, self.new_block_ids)}
 
 
 @dataclass
@@ -41,7 +49,7 @@ class SchedulerOutput:
     """
 
     scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
+    scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     scheduled_spec_decode_tokens: dict[str, list[int]]

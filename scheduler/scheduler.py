@@ -9,8 +9,9 @@ request (the newest under FCFS) when the pool is short.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from scheduler.budget import (
-    ChunkPlan,
     RequestView,
     StepBudget,
     ThrottleRule,
@@ -29,7 +30,10 @@ from scheduler.outputs import (
 )
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import make_queue
+from scheduler.running_plan import RunningPlanner, RunningState, RunPlan
 from scheduler.stats import SchedulerStats
+from scheduler.step_output import build_output
+from scheduler.update import append_tokens, count_accepted
 from spec_decode import SpeculativeConfig
 
 
@@ -49,6 +53,11 @@ class Scheduler:
                                          adaptive)
         check_budget_config(self.rule, speculative_config, scheduler_config.max_num_batched_tokens)
         self.kv = KVCacheManager(cache_config)
+        # Plans the running requests that take their whole chunk in one numpy pass;
+        # None plans every request with `plan_chunk` (the reference, for tests).
+        threshold = (scheduler_config.long_prefill_token_threshold
+                     if scheduler_config.enable_chunked_prefill else 0)
+        self.planner = RunningPlanner.for_rule(self.rule, cache_config.block_size, threshold)
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -165,7 +174,8 @@ class Scheduler:
     def _schedule_running(self, budget: StepBudget, preempted: set[str],
                           new_block_ids: dict[str, list[int]]) -> None:
         held: dict[str, int] = {}  # blocks each request held before this step
-        for request in list(self.running):
+        run = self._charge_run(budget, new_block_ids)
+        for request in self.running[run.count if run else 0:]:  # a copy: preemption edits
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room
             view = self._view(request)
@@ -183,9 +193,27 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 budget.charge(request.request_id, plan)
         if budget.num_refunds:
+            if run is not None:  # a refund may have turned the run into single charges
+                held.update(zip((r.request_id for r in run.requests),
+                                run.held_blocks.tolist()))
             self._offer_refunds(budget)
         for rid in budget.charges:
             new_block_ids[rid] = self.kv.block_ids(rid, held[rid])
+
+    def _charge_run(self, budget: StepBudget,
+                    new_block_ids: dict[str, list[int]]) -> RunPlan | None:
+        """Plan, charge and give KV to the leading run of running requests that take
+        their whole chunk (scheduler/running_plan.py); the loop does the rest."""
+        if self.planner is None or not self.running:
+            return None
+        state = RunningState.gather(self.running, self.kv.req_blocks)
+        run = self.planner.plan_running(self.running, state, budget.remaining,
+                                        self.kv.pool.num_free_blocks)
+        if not run.count:
+            return None
+        budget.charge_run(run)
+        new_block_ids.update(self.kv.append_blocks(run.requests, run.new_blocks.tolist()))
+        return run
 
     def _offer_refunds(self, budget: StepBudget) -> None:
         """Under priority a victim may be preempted after requests behind it were
@@ -209,7 +237,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, budget: StepBudget, preempted: set[str]) -> None:
         """Recompute-style preemption: free its blocks, refund its charge, requeue."""
-        if request.request_id in budget.charges:
+        if budget.is_charged(request.request_id):
             budget.refund(request.request_id)
         self._recompute_later(request)
         preempted.add(request.request_id)
@@ -259,22 +287,43 @@ class Scheduler:
 
     def _apply(self, budget: StepBudget, admitted: list[Request],
                new_block_ids: dict[str, list[int]], preempted: set[str]) -> SchedulerOutput:
-        """Commit the plan: advance computed counts, drop drafts that did not fit."""
+        """Commit the plan: advance computed counts, drop drafts that did not fit.
+
+        Running requests (the run, and those in `new_block_ids`) are reported as
+        cached with their computed count before the step; admitted ones as new."""
         new_reqs = [self._new_request_data(r) for r in admitted]
-        cached_reqs = [
-            CachedRequestData(rid, new_block_ids[rid],
-                              self.requests[rid].num_computed_tokens)
-            for rid in budget.charges if rid in new_block_ids
-        ]
+        cached = CachedRequestData()
         spec_tokens: dict[str, list[int]] = {}
+        run_ids: list[str] = []
+        if budget.run is not None:
+            run = budget.run
+            run_ids = [r.request_id for r in run.requests]
+            cached.req_ids.extend(run_ids)
+            cached.num_computed_tokens.extend(run.num_computed.tolist())
+            no_blocks: list[int] = []  # shared: the runner only reads it
+            cached.new_block_ids.extend(new_block_ids.get(rid, no_blocks) for rid in run_ids)
+            for request, n, s in zip(run.requests, run.num_tokens.tolist(),
+                                     run.num_spec.tolist()):
+                spec = request.spec_token_ids
+                if len(spec) > s:  # a chunk capped by long_prefill_token_threshold
+                    del spec[s:]
+                if s:
+                    spec_tokens[request.request_id] = list(spec)
+                request.num_computed_tokens += n
         for rid, plan in budget.charges.items():
             request = self.requests[rid]
+            if rid in new_block_ids:
+                cached.req_ids.append(rid)
+                cached.new_block_ids.append(new_block_ids[rid])
+                cached.num_computed_tokens.append(request.num_computed_tokens)
             del request.spec_token_ids[plan.num_spec:]
             if plan.num_spec:
                 spec_tokens[rid] = list(request.spec_token_ids)
             request.num_computed_tokens += plan.num_tokens
-        output = self._make_output(budget.charges, new_reqs, cached_reqs, spec_tokens,
-                                   preempted)
+        finished, self._finished_since_last_step = self._finished_since_last_step, set()
+        spec_method = self.speculative_config.method if self.speculative_config else None
+        output = build_output(budget, run_ids, new_reqs, cached, spec_tokens, preempted,
+                              finished, self.config.max_num_batched_tokens, spec_method)
         self.stats.record_step(output)
         return output
 
@@ -286,34 +335,6 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=self.kv.block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
-        )
-
-    def _make_output(self, charges: dict[str, ChunkPlan], new_reqs: list[NewRequestData],
-                     cached_reqs: list[CachedRequestData], spec_tokens: dict[str, list[int]],
-                     preempted: set[str]) -> SchedulerOutput:
-        names = self.rule.pass_names
-        pass_rows = dict.fromkeys(names, 0)
-        for plan in charges.values():
-            for name, rows in zip(names, plan.rows):
-                pass_rows[name] += rows
-        num_scheduled = {rid: plan.num_tokens for rid, plan in charges.items()}
-        finished, self._finished_since_last_step = self._finished_since_last_step, set()
-        return SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=pass_rows["target"],
-            scheduled_spec_decode_tokens=spec_tokens,
-            num_draft_tokens={rid: plan.num_draft_tokens for rid, plan in charges.items()
-                              if plan.num_draft_tokens},
-            num_drafter_tokens=max((pass_rows[n] for n in names[1:]), default=0),
-            adapted_draft_tokens={rid: plan.rule_drafts for rid, plan in charges.items()
-                                  if plan.rule_drafts > plan.num_draft_tokens},
-            pass_rows=pass_rows,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            spec_method=self.speculative_config.method if self.speculative_config else None,
-            preempted_req_ids=preempted,
-            finished_req_ids=finished,
         )
 
     # ---- results back ----------------------------------------------------------
@@ -329,64 +350,52 @@ class Scheduler:
         the engine learns of new tokens: it never reads the requests.
         """
         check_runner_output(scheduler_output, runner_output)
-        index = {rid: i for i, rid in enumerate(runner_output.req_ids)}
         outputs: list[EngineCoreOutput] = []
-        logprobs = runner_output.logprobs
+        logprobs, drafts = runner_output.logprobs, runner_output.draft_token_ids
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        verified_counts: list[int] = []
+        accepted_counts: list[int] = []
         finished = False
-        for rid in scheduler_output.num_scheduled_tokens:
+        for rid, sampled in _in_schedule_order(scheduler_output, runner_output):
             request = self.requests.get(rid)
             if request is None:
                 continue  # aborted after it was scheduled
-            sampled = runner_output.sampled_token_ids[index[rid]]
-            request.suspect = request.suspect and not sampled  # cleared by a whole step
-            verified = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
-            self._roll_back_rejected(request, sampled, verified)
-            num_before = request.num_output_tokens
-            status = self._append_tokens(request, sampled)
+            if request.suspect:
+                request.suspect = not sampled  # cleared by a whole step
+            verified = len(spec_tokens[rid]) if rid in spec_tokens else 0
+            accepted = count_accepted(request, sampled, verified)
+            if verified:
+                request.num_computed_tokens -= verified - accepted
+                verified_counts.append(verified)
+                accepted_counts.append(accepted)
+            num_before = len(request.output_token_ids)
+            status = append_tokens(request, sampled, self.config.max_model_len)
             # Cache before a finish frees the blocks, so a one-token request's prompt
             # still serves later prefix hits.
             self.kv.cache_full_blocks(request)
-            if status is not None:
-                self._finish(request, status)
-                finished = True
-            else:
-                request.spec_token_ids = list(runner_output.draft_token_ids.get(rid, ()))
+            if status is None:
+                request.spec_token_ids = list(drafts[rid]) if rid in drafts else []
+                if sampled:  # nothing cut: the new tokens are the sampled ones
+                    outputs.append(EngineCoreOutput(
+                        rid, sampled, False, None,
+                        logprobs[rid][:len(sampled)] if rid in logprobs else []))
+                continue
+            self._finish(request, status)
+            finished = True
             new = request.output_token_ids[num_before:]
-            if new or status is not None:
-                done = status is not None
-                outputs.append(EngineCoreOutput(
-                    rid, new, done, request.finish_reason if done else None,
-                    logprobs[rid][:len(new)] if rid in logprobs else []))
+            outputs.append(EngineCoreOutput(rid, new, True, request.finish_reason,
+                                            logprobs[rid][:len(new)] if rid in logprobs else []))
+        self.stats.spec.record_many(verified_counts, accepted_counts)
         if finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
 
-    def _roll_back_rejected(self, request: Request, sampled: list[int], verified: int) -> None:
-        if not sampled:
-            if verified:
-                raise ValueError(f"{request.request_id!r} verified drafts but sampled nothing")
-            return
-        accepted = len(sampled) - 1
-        if accepted > verified:
-            raise ValueError(
-                f"{request.request_id!r}: {len(sampled)} tokens sampled from "
-                f"{verified} drafts (at most {verified + 1})"
-            )
-        request.num_computed_tokens -= verified - accepted
-        self.stats.record_verification(verified, accepted)
 
-    def _append_tokens(self, request: Request, sampled: list[int]) -> RequestStatus | None:
-        """Append tokens one by one; the first stop condition drops the rest."""
-        params = request.sampling_params
-        for token in sampled:
-            request.append_output_token(token)
-            if request.num_output_tokens >= params.min_tokens:
-                if token == request.eos_token_id and not params.ignore_eos:
-                    return RequestStatus.FINISHED_STOPPED
-                if token in params.stop_token_ids:
-                    request.stop_token_id = token
-                    return RequestStatus.FINISHED_STOPPED
-            if (request.num_output_tokens >= params.max_tokens
-                    or request.num_tokens >= self.config.max_model_len):
-                return RequestStatus.FINISHED_LENGTH
-        return None
+def _in_schedule_order(out: SchedulerOutput,
+                       result: ModelRunnerOutput) -> Iterable[tuple[str, list[int]]]:
+    """(request id, sampled tokens) in the schedule's order, whatever the runner's."""
+    if len(result.req_ids) == len(out.num_scheduled_tokens) and \
+            result.req_ids == list(out.num_scheduled_tokens):
+        return zip(result.req_ids, result.sampled_token_ids)
+    index = {rid: i for i, rid in enumerate(result.req_ids)}
+    return ((rid, result.sampled_token_ids[index[rid]]) for rid in out.num_scheduled_tokens)

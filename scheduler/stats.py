@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from scheduler.outputs import SchedulerOutput
 
@@ -25,18 +27,21 @@ class SpecDecodingStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     def record(self, verified: int, accepted: int) -> None:
-        if verified == 0:
+        if verified:
+            self.record_many([verified], [accepted])
+
+    def record_many(self, verified: list[int], accepted: list[int]) -> None:
+        """One step's verifications, each with verified >= 1 drafts."""
+        if not verified:
             return
-        self.num_drafts += 1
-        self.num_draft_tokens += verified
-        self.num_accepted_tokens += accepted
-        grow = verified - len(self.num_draft_tokens_per_pos)
-        if grow > 0:
-            self.num_draft_tokens_per_pos += [0] * grow
-            self.num_accepted_tokens_per_pos += [0] * grow
-        for i in range(verified):
-            self.num_draft_tokens_per_pos[i] += 1
-            self.num_accepted_tokens_per_pos[i] += i < accepted
+        v, a = np.asarray(verified), np.asarray(accepted)
+        self.num_drafts += len(v)
+        self.num_draft_tokens += int(v.sum())
+        self.num_accepted_tokens += int(a.sum())
+        width = max(int(v.max()), len(self.num_draft_tokens_per_pos))
+        self.num_draft_tokens_per_pos = _add_reaching(self.num_draft_tokens_per_pos, v, width)
+        self.num_accepted_tokens_per_pos = _add_reaching(self.num_accepted_tokens_per_pos, a,
+                                                         width)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -63,6 +68,17 @@ class SpecDecodingStats:
             "num_draft_tokens_per_pos": list(self.num_draft_tokens_per_pos),
             "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
         }
+
+
+def _add_reaching(per_pos: list[int], counts: np.ndarray, width: int) -> list[int]:
+    """per_pos[i] + how many of `counts` exceed i, for i < width.
+
+    # counts [1, 3, 3], width 3: bincount [0, 1, 0, 2] -> from the top [3, 3, 2, 2]
+    # -> positions 0, 1, 2 reached by [3, 2, 2]
+    """
+    reaching = np.cumsum(np.bincount(counts, minlength=width + 1)[::-1])[::-1][1:width + 1]
+    return (np.pad(np.asarray(per_pos, dtype=np.int64), (0, width - len(per_pos)))
+            + reaching).tolist()
 
 
 @dataclass

@@ -1,0 +1,58 @@
+"""What one step's sampled tokens do to one request: pure per-request rules that
+`Scheduler.update_from_output` applies to every scheduled request."""
+
+from __future__ import annotations
+
+from scheduler.request import Request, RequestStatus
+
+
+def count_accepted(request: Request, sampled: list[int], verified: int) -> int:
+    """Drafts accepted: all sampled tokens but the last (the bonus or recovered one).
+    Refuses a runner output that sampled more than the drafts verified allow."""
+    if not sampled:
+        if verified:
+            raise ValueError(f"{request.request_id!r} verified drafts but sampled nothing")
+        return 0
+    accepted = len(sampled) - 1
+    if accepted > verified:
+        raise ValueError(
+            f"{request.request_id!r}: {len(sampled)} tokens sampled from "
+            f"{verified} drafts (at most {verified + 1})"
+        )
+    return accepted
+
+
+def append_tokens(request: Request, sampled: list[int], max_model_len: int) -> RequestStatus | None:
+    """Append the step's tokens; the first stop condition drops the rest.
+
+    Most steps end no request: if no sampled token is a stop token and the request
+    stays short of both length limits after all of them, every token is appended at
+    once. Otherwise they go one by one, so a stop inside the accepted drafts cuts
+    exactly there.
+    """
+    params = request.sampling_params
+    if (len(request.output_token_ids) + len(sampled) < params.max_tokens
+            and len(request.all_token_ids) + len(sampled) < max_model_len
+            and (params.ignore_eos or request.eos_token_id not in sampled)
+            and not (params.stop_token_ids and any(t in params.stop_token_ids for t in sampled))):
+        request.output_token_ids += sampled
+        request.all_token_ids += sampled
+        return None
+    return _append_one_by_one(request, sampled, max_model_len)
+
+
+def _append_one_by_one(request: Request, sampled: list[int],
+                       max_model_len: int) -> RequestStatus | None:
+    params = request.sampling_params
+    for token in sampled:
+        request.append_output_token(token)
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_token_id = token
+                return RequestStatus.FINISHED_STOPPED
+        if (request.num_output_tokens >= params.max_tokens
+                or request.num_tokens >= max_model_len):
+            return RequestStatus.FINISHED_LENGTH
+    return None
