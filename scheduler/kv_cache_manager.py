@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from scheduler.block_pool import BlockPool, KVCacheBlock
 from scheduler.config import CacheConfig
@@ -116,18 +116,24 @@ class KVCacheManager:
                 new_ids[request.request_id] = [block.block_id for block in blocks]
         return new_ids
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Register every full block of verified, computed tokens in the prefix cache."""
+    def cache_full_blocks(self, requests: Iterable[Request]) -> None:
+        """Register every full block of verified, computed tokens in the prefix cache.
+
+        Called with every request a step advanced; most filled no new block, so the
+        check is kept to a division and a lookup per request."""
         if not self.enable_caching:
             return
+        size, done = self.block_size, self._num_cached
+        for request in requests:
+            num_full = min(request.num_computed_tokens, len(request.all_token_ids)) // size
+            if num_full > done.get(request.request_id, 0):
+                self._cache_blocks(request, num_full)
+
+    def _cache_blocks(self, request: Request, num_full: int) -> None:
         rid = request.request_id
-        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
-        done = self._num_cached.get(rid, 0)
-        if num_full <= done:
-            return
         hashes = self._block_hashes(request)
         blocks = self.req_blocks[rid]
-        for i in range(done, num_full):
+        for i in range(self._num_cached.get(rid, 0), num_full):
             self.pool.cache(blocks[i], hashes[i])
         self._num_cached[rid] = num_full
 

@@ -261,12 +261,15 @@ class Scheduler:
         again is traced to it; a second suspect waits, and so does everyone behind it.
         """
         admitted = []
-        suspect_in_step = any(request.suspect for request in self.running)
+        suspect_in_step: bool | None = None  # looked up only when a suspect is next
         while len(self.waiting) and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            if request.suspect and suspect_in_step:
-                break
-            suspect_in_step |= request.suspect
+            if request.suspect:
+                if suspect_in_step is None:
+                    suspect_in_step = any(r.suspect for r in self.running)
+                if suspect_in_step:
+                    break
+                suspect_in_step = True
             prefix = self.kv.find_prefix(request)
             num_cached = len(prefix) * self.kv.block_size
             plan = plan_chunk(self.rule, budget.remaining, self._view(request, num_cached),
@@ -297,19 +300,20 @@ class Scheduler:
         run_ids: list[str] = []
         if budget.run is not None:
             run = budget.run
-            run_ids = [r.request_id for r in run.requests]
-            cached.req_ids.extend(run_ids)
-            cached.num_computed_tokens.extend(run.num_computed.tolist())
-            no_blocks: list[int] = []  # shared: the runner only reads it
-            cached.new_block_ids.extend(new_block_ids.get(rid, no_blocks) for rid in run_ids)
             for request, n, s in zip(run.requests, run.num_tokens.tolist(),
                                      run.num_spec.tolist()):
+                rid = request.request_id
+                run_ids.append(rid)
                 spec = request.spec_token_ids
                 if len(spec) > s:  # a chunk capped by long_prefill_token_threshold
                     del spec[s:]
                 if s:
-                    spec_tokens[request.request_id] = list(spec)
+                    spec_tokens[rid] = list(spec)
                 request.num_computed_tokens += n
+            cached.req_ids.extend(run_ids)
+            cached.num_computed_tokens.extend(run.num_computed.tolist())
+            no_blocks: list[int] = []  # shared: the runner only reads it
+            cached.new_block_ids.extend([new_block_ids.get(rid, no_blocks) for rid in run_ids])
         for rid, plan in budget.charges.items():
             request = self.requests[rid]
             if rid in new_block_ids:
@@ -353,40 +357,44 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         logprobs, drafts = runner_output.logprobs, runner_output.draft_token_ids
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        requests, max_model_len = self.requests, self.config.max_model_len
+        advanced: list[Request] = []  # still running: their full blocks cached after
         verified_counts: list[int] = []
         accepted_counts: list[int] = []
-        finished = False
         for rid, sampled in _in_schedule_order(scheduler_output, runner_output):
-            request = self.requests.get(rid)
+            request = requests.get(rid)
             if request is None:
                 continue  # aborted after it was scheduled
             if request.suspect:
                 request.suspect = not sampled  # cleared by a whole step
-            verified = len(spec_tokens[rid]) if rid in spec_tokens else 0
-            accepted = count_accepted(request, sampled, verified)
-            if verified:
+            spec = spec_tokens.get(rid)
+            if spec or len(sampled) > 1:
+                verified = len(spec) if spec else 0
+                accepted = count_accepted(request, sampled, verified)
                 request.num_computed_tokens -= verified - accepted
                 verified_counts.append(verified)
                 accepted_counts.append(accepted)
             num_before = len(request.output_token_ids)
-            status = append_tokens(request, sampled, self.config.max_model_len)
-            # Cache before a finish frees the blocks, so a one-token request's prompt
-            # still serves later prefix hits.
-            self.kv.cache_full_blocks(request)
+            status = append_tokens(request, sampled, max_model_len)
             if status is None:
-                request.spec_token_ids = list(drafts[rid]) if rid in drafts else []
+                advanced.append(request)
+                new_drafts = drafts.get(rid)
+                request.spec_token_ids = list(new_drafts) if new_drafts else []
                 if sampled:  # nothing cut: the new tokens are the sampled ones
                     outputs.append(EngineCoreOutput(
                         rid, sampled, False, None,
                         logprobs[rid][:len(sampled)] if rid in logprobs else []))
                 continue
+            # Cached before the finish frees the blocks, so a one-token request's
+            # prompt still serves later prefix hits.
+            self.kv.cache_full_blocks((request,))
             self._finish(request, status)
-            finished = True
             new = request.output_token_ids[num_before:]
             outputs.append(EngineCoreOutput(rid, new, True, request.finish_reason,
                                             logprobs[rid][:len(new)] if rid in logprobs else []))
+        self.kv.cache_full_blocks(advanced)
         self.stats.spec.record_many(verified_counts, accepted_counts)
-        if finished:
+        if len(advanced) < len(self.running):  # some finished
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
 

@@ -25,7 +25,7 @@ def _prefill(kv: KVCacheManager, request: Request) -> None:
     cached = len(prefix) * kv.block_size
     assert kv.allocate_slots(request, request.num_tokens - cached, 0, prefix)
     request.num_computed_tokens = request.num_tokens
-    kv.cache_full_blocks(request)
+    kv.cache_full_blocks([request])
 
 
 def _held(kv: KVCacheManager, request: Request) -> int:
@@ -246,12 +246,12 @@ def test_cache_full_blocks_caches_only_computed_full_blocks() -> None:
     request = _req("a", list(range(10)))
     assert kv.allocate_slots(request, 10)
     request.num_computed_tokens = 7  # one full block computed, the second not yet
-    kv.cache_full_blocks(request)
+    kv.cache_full_blocks([request])
     blocks = kv.req_blocks["a"]
     assert blocks[0].block_hash is not None
     assert blocks[1].block_hash is None
     request.num_computed_tokens = 10
-    kv.cache_full_blocks(request)
+    kv.cache_full_blocks([request])
     assert blocks[1].block_hash is not None
     assert blocks[2].block_hash is None  # partial block never cached
     kv.pool.check_integrity()
