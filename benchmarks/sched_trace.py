@@ -98,6 +98,11 @@ class TraceRequest:
             accepted += 1
         return [self.token_id(num_output + i) for i in range(accepted + 1)]
 
+    def priority(self) -> int:
+        """Its priority under the priority policy (lower first): 0-3, from its seed, so
+        the trace's JSON and fingerprint do not change."""
+        return self.seed % 4
+
     def drafts(self, num_output: int, k: int) -> list[int]:
         """k drafts for the positions after `num_output` (their values never matter:
         `accepts` alone decides)."""

@@ -112,7 +112,7 @@ def drafter_rows(method: str, num_scheduled: dict[str, int], k: int) -> int:
 
 
 def build_scheduler(trace: Trace, method: str, model_dir: str,
-                    log_stats: bool) -> Scheduler:
+                    log_stats: bool, policy: str) -> Scheduler:
     limits = trace.config
     model = ModelConfig(model=model_dir, max_model_len=limits.max_model_len,
                         dtype="float16", skip_tokenizer_init=True)
@@ -123,7 +123,7 @@ def build_scheduler(trace: Trace, method: str, model_dir: str,
             max_num_seqs=trace.max_num_seqs,
             max_num_batched_tokens=trace.max_num_batched_tokens,
             max_model_len=limits.max_model_len, enable_chunked_prefill=True,
-            is_encoder_decoder=False, async_scheduling=False),
+            is_encoder_decoder=False, async_scheduling=False, policy=policy),
         cache_config=CacheConfig(block_size=limits.block_size, enable_prefix_caching=True),
         speculative_config=None if spec is None else SpeculativeConfig(
             **spec, target_model_config=model, target_parallel_config=ParallelConfig()),
@@ -142,10 +142,12 @@ def build_scheduler(trace: Trace, method: str, model_dir: str,
 class VllmSide:
     """vLLM's scheduler stepped as EngineCore.step() + post_step() (sched_trace.Side)."""
 
-    def __init__(self, trace: Trace, method: str, model_dir: str, log_stats: bool) -> None:
+    def __init__(self, trace: Trace, method: str, model_dir: str, log_stats: bool,
+                 policy: str) -> None:
         self.method = method
+        self.policy = policy
         self.k = trace.config.num_spec_tokens
-        self.sched = build_scheduler(trace, method, model_dir, log_stats)
+        self.sched = build_scheduler(trace, method, model_dir, log_stats, policy)
         hash_fn = get_hash_fn_by_name(self.sched.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.hasher = get_request_block_hasher(
@@ -158,7 +160,8 @@ class VllmSide:
         params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, temperature=0.0)
         self.sched.add_request(Request(
             req.request_id, list(req.prompt_token_ids), params, None,
-            arrival_time=float(req.arrival_step), block_hasher=self.hasher))
+            arrival_time=float(req.arrival_step), block_hasher=self.hasher,
+            priority=req.priority() if self.policy == "priority" else 0))
 
     def num_unfinished(self) -> int:
         return self.sched.get_num_unfinished_requests()
@@ -200,18 +203,19 @@ class VllmSide:
                           drafter_rows(self.method, out.num_scheduled_tokens, self.k), running)
 
 
-def run(trace: Trace, methods: list[str], log_stats: bool = True) -> dict:
+def run(trace: Trace, methods: list[str], log_stats: bool = True,
+        policy: str = "fcfs") -> dict:
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(
             json.dumps({**MODEL_CONFIG, "vocab_size": trace.config.vocab_size}))
         results = []
         for method in methods:
-            side = VllmSide(trace, method, model_dir, log_stats)
+            side = VllmSide(trace, method, model_dir, log_stats, policy)
             records = sched_trace.replay(trace, side)
             results.append({"method": method,
                             **sched_trace.summarize(trace, records, side.log)})
     return {"side": "vllm", "vllm_version": vllm.__version__,
-            "trace_fingerprint": trace.fingerprint(), "log_stats": log_stats,
+            "trace_fingerprint": trace.fingerprint(), "log_stats": log_stats, "policy": policy,
             "results": results}
 
 
@@ -222,8 +226,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default stdout)")
     parser.add_argument("--no-log-stats", action="store_true",
                         help="scheduler stats off (on by default, as `vllm serve`)")
+    parser.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs")
     args = parser.parse_args()
-    report = run(Trace.load(args.trace), args.methods.split(","), not args.no_log_stats)
+    report = run(Trace.load(args.trace), args.methods.split(","), not args.no_log_stats,
+                 args.policy)
     text = json.dumps(report, indent=2) + "\n"
     if args.out is None:
         sys.stdout.write(text)

@@ -6,6 +6,8 @@ import hashlib
 from array import array
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from scheduler.block_pool import BlockPool, KVCacheBlock
 from scheduler.config import CacheConfig
 from scheduler.request import Request
@@ -105,15 +107,15 @@ class KVCacheManager:
         return True
 
     def append_blocks(self, requests: Sequence[Request],
-                      counts: Sequence[int]) -> dict[str, list[int]]:
+                      counts: np.ndarray) -> dict[str, list[int]]:
         """Give `counts[i]` more blocks to running request i (the caller checked that
         the pool holds them all); returns the new block ids of those that got any."""
         new_ids = {}
-        for request, count in zip(requests, counts):
-            if count:
-                blocks = self.pool.allocate(count)
-                self.req_blocks[request.request_id].extend(blocks)
-                new_ids[request.request_id] = [block.block_id for block in blocks]
+        for i in np.flatnonzero(counts).tolist():  # most decoding steps fill no block
+            rid = requests[i].request_id
+            blocks = self.pool.allocate(int(counts[i]))
+            self.req_blocks[rid].extend(blocks)
+            new_ids[rid] = [block.block_id for block in blocks]
         return new_ids
 
     def cache_full_blocks(self, requests: Iterable[Request]) -> None:
@@ -125,7 +127,9 @@ class KVCacheManager:
             return
         size, done = self.block_size, self._num_cached
         for request in requests:
-            num_full = min(request.num_computed_tokens, len(request.all_token_ids)) // size
+            computed, known = request.num_computed_tokens, len(request.all_token_ids)
+            # Not min(): a builtin call costs several times this comparison.
+            num_full = (computed if computed < known else known) // size
             if num_full > done.get(request.request_id, 0):
                 self._cache_blocks(request, num_full)
 

@@ -212,7 +212,7 @@ class Scheduler:
         if not run.count:
             return None
         budget.charge_run(run)
-        new_block_ids.update(self.kv.append_blocks(run.requests, run.new_blocks.tolist()))
+        new_block_ids.update(self.kv.append_blocks(run.requests, run.new_blocks))
         return run
 
     def _offer_refunds(self, budget: StepBudget) -> None:
