@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from benchmarks import scheduler_vs_vllm
-from benchmarks.sched_trace import OutputLog, Trace, TraceConfig, make_trace, replay
+from benchmarks.sched_trace import (
+    OutputLog,
+    StepRecord,
+    Trace,
+    TraceConfig,
+    make_trace,
+    replay,
+    summarize,
+)
 
 CFG = TraceConfig(num_running=64, seed=3)
 
@@ -115,3 +123,51 @@ def test_missing_venv_says_how_to_build_it(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(scheduler_vs_vllm, "VENV_PYTHON", Path("/nonexistent/python"))
     with pytest.raises(SystemExit, match=r"vllm-scheduler-venv\.sh"):
         scheduler_vs_vllm.main(["--quick"])
+
+
+def test_baseline_side_runs_the_revision_on_the_same_trace(tmp_path: Path) -> None:
+    """HEAD as the baseline: a worktree of it replays the same trace in a subprocess
+    (its scheduler imported from the worktree, checked) and decides the same."""
+    report = scheduler_vs_vllm.main(["--quick", "--ours-only", "--baseline", "HEAD",
+                                     "--methods", "ngram", "--out", str(tmp_path / "b.json")])
+    (row,) = report["results"]
+    assert row["same_as_before"] and row["before_us_per_step"] > 0 and row["speedup"] > 0
+    assert report["detail"][0]["before"]["outputs_digest"] == \
+        report["detail"][0]["ours"]["outputs_digest"]
+
+
+def test_priority_policy_drains_with_the_same_outcomes(tmp_path: Path) -> None:
+    trace = make_trace(TraceConfig(16, num_requests=32))
+    assert len({r.priority() for r in trace.requests}) > 1
+    logs = []
+    for policy in ("fcfs", "priority"):
+        side = scheduler_vs_vllm.OursSide(trace, "ngram", policy)
+        replay(trace, side)
+        assert not side.sched.requests
+        logs.append(side.log)
+    # The trace alone decides each request's tokens, whatever order they ran in.
+    assert logs[0].digest() == logs[1].digest()
+    assert logs[1].num_tokens == expected_output_tokens(trace)
+
+
+def test_scaling_slope_reads_the_curve() -> None:
+    rows = [{"method": "off", "n_running": n, "ours_us_per_step": us}
+            for n, us in ((64, 100.0), (256, 400.0), (1024, 1600.0))]
+    rows += [{"method": "ngram", "n_running": n, "ours_us_per_step": us}
+             for n, us in ((64, 100.0), (1024, 3200.0))]
+    curves = scheduler_vs_vllm.scaling(rows)["ours"]
+    assert curves["off"]["loglog_slope"] == 1.0  # linear
+    assert curves["off"]["us_per_running_request"] == [1.56, 1.56, 1.56]
+    assert curves["ngram"]["loglog_slope"] == 1.25  # worse than linear
+
+
+def test_draft_update_figure_covers_the_same_steady_steps() -> None:
+    """vLLM's draft update is added over the steps `us_per_step` covers, not all."""
+    trace = make_trace(TraceConfig(10, num_requests=10))
+    records = [StepRecord(100.0, 50.0, 10.0, 1, 0, 10) for _ in range(3)]
+    records += [StepRecord(1.0, 1.0, 0.0, 1, 0, 1) for _ in range(5)]  # burst tail
+    log = OutputLog()
+    log.add("r", [1])
+    summary = summarize(trace, records, log)
+    assert summary["us_per_step"]["median"] == 150.0
+    assert summary["us_per_step_with_draft_update"]["median"] == 160.0
