@@ -251,16 +251,27 @@ class OutputLog:
         return sum(len(t) for t in self.tokens.values())
 
 
-def replay(trace: Trace, side: Side, max_steps: int = 100_000) -> list[StepRecord]:
+def replay(trace: Trace, side: Side, max_steps: int = 100_000,
+           collector: bool = True) -> list[StepRecord]:
     """Feed arrivals by step and step until every request finished.
 
     The trace clock advances one per step that scheduled work, so both sides see an
     arrival after the same number of executed steps; an idle engine jumps to the next
-    arrival."""
+    arrival. `collector=False` turns Python's cyclic garbage collector off for the
+    replay (its passes grow with the heap, hence with N)."""
+    gc.collect()  # start without the trace's garbage
+    if not collector:
+        gc.disable()
+    try:
+        return _replay(trace, side, max_steps)
+    finally:
+        gc.enable()
+
+
+def _replay(trace: Trace, side: Side, max_steps: int) -> list[StepRecord]:
     pending = sorted(trace.requests, key=lambda r: r.arrival_step)
     records: list[StepRecord] = []
     clock, next_req = 0, 0
-    gc.collect()  # start without the trace's garbage; the collector stays on
     while next_req < len(pending) or side.num_unfinished():
         while next_req < len(pending) and pending[next_req].arrival_step <= clock:
             side.add(pending[next_req])

@@ -13,7 +13,7 @@ same tokens (`outputs_match`): the trace alone decides what the "model" does.
     bash ../shared/tools/vllm-scheduler-venv.sh      # once: builds ./.vllm-venv
     python benchmarks/scheduler_vs_vllm.py [--quick] [--running 64,256,1024]
         [--methods off,ngram,parallel] [--rounds 2] [--ours-only] [--baseline REV]
-        [--out PATH]
+        [--policy fcfs|priority] [--no-gc] [--out PATH]
 
 `--baseline REV` adds a third side, "before": our scheduler as of git revision REV
 (checked out into a temporary worktree and run in a subprocess on the same trace), so
@@ -144,11 +144,12 @@ class OursSide:
                           out.num_drafter_tokens, running)
 
 
-def run_ours(trace: Trace, methods: list[str], policy: str = "fcfs") -> dict:
+def run_ours(trace: Trace, methods: list[str], policy: str = "fcfs",
+             collector: bool = True) -> dict:
     results = []
     for method in methods:
         side = OursSide(trace, method, policy)
-        records = sched_trace.replay(trace, side)
+        records = sched_trace.replay(trace, side, collector=collector)
         results.append({"method": method, **sched_trace.summarize(trace, records, side.log)})
     return {"side": "ours", "trace_fingerprint": trace.fingerprint(), "results": results}
 
@@ -160,12 +161,13 @@ def _check_fingerprint(report: dict, fingerprint: str, side: str) -> dict:
     return report
 
 
-def run_vllm(trace_path: Path, methods: list[str], fingerprint: str, policy: str) -> dict:
+def run_vllm(trace_path: Path, methods: list[str], fingerprint: str, policy: str,
+             collector: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "vllm.json"
         proc = subprocess.run([str(VENV_PYTHON), str(DRIVER), "--trace", str(trace_path),
                                "--methods", ",".join(methods), "--policy", policy,
-                               "--out", str(out)],
+                               "--out", str(out), *([] if collector else ["--no-gc"])],
                               cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"vLLM driver failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -215,8 +217,8 @@ def merge_rounds(rounds: list[dict]) -> dict:
 
 
 def measure_point(running: int, methods: list[str], rounds: int, seed: int, sides: list[str],
-                  num_requests: int, baseline: Path | None,
-                  policy: str) -> dict[str, dict[str, list[dict]]]:
+                  num_requests: int, baseline: Path | None, policy: str,
+                  collector: bool) -> dict[str, dict[str, list[dict]]]:
     """Per side, per method, one result per round; the side that goes first rotates
     round by round, so machine drift lands on every side."""
     trace = sched_trace.make_trace(TraceConfig(running, seed=seed, num_requests=num_requests))
@@ -228,9 +230,9 @@ def measure_point(running: int, methods: list[str], rounds: int, seed: int, side
         for rnd in range(rounds):
             for side in sides[rnd % len(sides):] + sides[:rnd % len(sides)]:
                 if side == "ours":
-                    report = run_ours(trace, methods, policy)
+                    report = run_ours(trace, methods, policy, collector)
                 elif side == "vllm":
-                    report = run_vllm(trace_path, methods, fingerprint, policy)
+                    report = run_vllm(trace_path, methods, fingerprint, policy, collector)
                 else:
                     assert baseline is not None
                     report = run_baseline(baseline, trace_path, methods, fingerprint)
@@ -313,14 +315,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0, help="trace seed")
     parser.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs",
                         help="both sides' policy (priority: each request 0-3 from its seed)")
+    parser.add_argument("--no-gc", action="store_true",
+                        help="Python's cyclic GC off during every side's replay")
     parser.add_argument("--ours-only", action="store_true", help="skip vLLM's side")
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="add our scheduler as of git revision REV (fcfs only)")
     args = parser.parse_args(argv)
     if not args.ours_only and not VENV_PYTHON.exists():
         raise SystemExit(BUILD_HINT)
-    if args.baseline and args.policy != "fcfs":
-        raise SystemExit("--baseline runs the old revision's own fcfs side: use --policy fcfs")
+    if args.baseline and (args.policy != "fcfs" or args.no_gc):
+        raise SystemExit("--baseline runs the old revision's own side (fcfs, GC on): "
+                         "drop --policy and --no-gc")
     sizes = (tuple(int(n) for n in args.running.split(",")) if args.running
              else QUICK_RUNNING if args.quick else FULL_RUNNING)
     rounds = args.rounds or (1 if args.quick else 2)
@@ -333,7 +338,8 @@ def main(argv: list[str] | None = None) -> dict:
             if args.baseline else None
         for running in sizes:
             samples = measure_point(running, methods, rounds, args.seed, sides,
-                                    num_requests_per_running * running, baseline, args.policy)
+                                    num_requests_per_running * running, baseline, args.policy,
+                                    not args.no_gc)
             for method in methods:
                 results = {side: merge_rounds(samples[side][method]) for side in sides}
                 rows.append(compare(running, method, results))
@@ -341,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "benchmark": "scheduler_vs_vllm", "quick": args.quick, "seed": args.seed,
         "rounds": rounds, "requests_per_running": num_requests_per_running,
-        "policy": args.policy, "baseline": args.baseline,
+        "policy": args.policy, "baseline": args.baseline, "gc": not args.no_gc,
         "timed": "schedule() + update_from_output() per step, median over steps with "
                  ">= 90% of N running, then over rounds; vLLM's update_draft_token_ids "
                  "apart (ratio_with_draft_update adds it)",

@@ -204,14 +204,14 @@ class VllmSide:
 
 
 def run(trace: Trace, methods: list[str], log_stats: bool = True,
-        policy: str = "fcfs") -> dict:
+        policy: str = "fcfs", collector: bool = True) -> dict:
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(
             json.dumps({**MODEL_CONFIG, "vocab_size": trace.config.vocab_size}))
         results = []
         for method in methods:
             side = VllmSide(trace, method, model_dir, log_stats, policy)
-            records = sched_trace.replay(trace, side)
+            records = sched_trace.replay(trace, side, collector=collector)
             results.append({"method": method,
                             **sched_trace.summarize(trace, records, side.log)})
     return {"side": "vllm", "vllm_version": vllm.__version__,
@@ -227,9 +227,10 @@ def main() -> None:
     parser.add_argument("--no-log-stats", action="store_true",
                         help="scheduler stats off (on by default, as `vllm serve`)")
     parser.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs")
+    parser.add_argument("--no-gc", action="store_true", help="cyclic GC off in the replay")
     args = parser.parse_args()
     report = run(Trace.load(args.trace), args.methods.split(","), not args.no_log_stats,
-                 args.policy)
+                 args.policy, not args.no_gc)
     text = json.dumps(report, indent=2) + "\n"
     if args.out is None:
         sys.stdout.write(text)
