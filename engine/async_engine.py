@@ -15,6 +15,9 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -37,6 +40,36 @@ class RequestFailedError(RuntimeError):
 
 class EngineShutdownError(RuntimeError):
     """The server is shutting down and stopped waiting for this request."""
+
+
+class ReplicaFailedError(RuntimeError):
+    """The data-parallel replica serving this request died after it streamed tokens
+    (engine/data_parallel.py); the other replicas go on serving."""
+
+
+class ServingEngine(Protocol):
+    """What the server needs of an engine: `AsyncEngine` (one engine in this process)
+    or `DataParallelEngine` (replicas on Ray)."""
+
+    config: EngineConfig
+    tokenizer: Tokenizer
+
+    @property
+    def is_alive(self) -> bool: ...
+
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestDelta]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def fail_all(self, error: BaseException) -> int: ...
+
+    def health(self) -> tuple[bool, dict[str, Any]]: ...
+
+    def export_metrics(self, registry: CollectorRegistry,
+                       model_name: str) -> Callable[[], None]: ...
+
+    def shutdown(self) -> None: ...
 
 
 @dataclass
@@ -71,6 +104,31 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self.dead is None and self._thread.is_alive()
+
+    def load(self) -> tuple[int, int]:
+        """(waiting, running): queue lengths for a data-parallel router; requests
+        handed over but not yet picked up by the engine thread count as waiting."""
+        sched = self.core.scheduler
+        return len(sched.waiting) + len(self._adds), len(sched.running)
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """(serving, details) for /health."""
+        return self.is_alive, {} if self.dead is None else {"error": repr(self.dead)}
+
+    def export_metrics(self, registry: CollectorRegistry,
+                       model_name: str) -> Callable[[], None]:
+        """Export the engine's `specbudget:*` metrics on `registry`; returns the undo."""
+        from engine.metrics import EngineMetrics
+
+        metrics = EngineMetrics(registry, model_name)
+        self.on_step.append(metrics.on_step)
+
+        def unwire() -> None:
+            if metrics.on_step in self.on_step:
+                self.on_step.remove(metrics.on_step)
+            metrics.unregister()
+
+        return unwire
 
     def shutdown(self) -> None:
         with self._wake:

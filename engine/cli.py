@@ -23,6 +23,7 @@ from runner.model_prep import DEFAULT_MODEL_NAME
 from spec_decode import DRAFT_POLICIES, METHODS, SpeculativeConfig
 
 if TYPE_CHECKING:
+    from engine.async_engine import ServingEngine
     from engine.config import EngineConfig
 
 DEMO_SPEC = '{"method": "ngram", "num_speculative_tokens": 3}'
@@ -123,6 +124,12 @@ def _add_serve_parser(sub: Any) -> None:
                        "streams end with an error event and others get 503 (default 5)")
     serve.add_argument("--log-level", default="info",
                        choices=("debug", "info", "warning", "error"))
+    serve.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                       help="N engine replicas on Ray behind this server (needs "
+                       "pip install -e '.[ray]'; default 1: one engine in this process)")
+    serve.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="join this Ray cluster (ray start --head ...) instead of "
+                       "starting a local one; only with --data-parallel-size > 1")
 
 
 def _add_generate_parser(sub: Any) -> None:
@@ -200,11 +207,31 @@ def _describe_spec(spec: SpeculativeConfig | None) -> str:
     return "off" if spec is None else f"{spec.method} K={spec.num_speculative_tokens}"
 
 
+def _serving_engine(args: argparse.Namespace, config: EngineConfig,
+                    name: str) -> ServingEngine:
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size == 1:
+        if args.ray_address:
+            raise ValueError("--ray-address needs --data-parallel-size > 1")
+        from engine.async_engine import AsyncEngine
+
+        return AsyncEngine(config, log_interval_s=args.log_interval)
+    from engine.data_parallel import DataParallelEngine
+
+    engine = DataParallelEngine(config, args.data_parallel_size, args.ray_address, name)
+    try:
+        engine.wait_ready()  # serve once one replica does; the others join when ready
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine
+
+
 def serve(args: argparse.Namespace) -> int:
     import prometheus_client
     import uvicorn
 
-    from engine.async_engine import AsyncEngine
     from engine.local_server import DrainingServer
     from engine.server import build_app
 
@@ -222,8 +249,8 @@ def serve(args: argparse.Namespace) -> int:
         _describe_spec(config.speculative_config), config.max_num_batched_tokens,
         config.max_num_seqs, config.max_model_len)
     try:
-        engine = AsyncEngine(config, log_interval_s=args.log_interval)
-    except ValueError as err:  # a configuration that cannot serve: say why, no traceback
+        engine = _serving_engine(args, config, name)
+    except (ValueError, ImportError, TimeoutError) as err:  # say why, no traceback
         raise SystemExit(f"specbudget serve: cannot start: {err}") from None
     try:
         # build_app exports the engine's specbudget:* metrics (engine/metrics.py) on /metrics.

@@ -16,7 +16,7 @@ from typing import Any
 
 import uvicorn
 
-from engine.async_engine import AsyncEngine, EngineShutdownError
+from engine.async_engine import EngineShutdownError, ServingEngine
 
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds; uvicorn's and vLLM's order of magnitude
 
@@ -25,7 +25,7 @@ class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose shutdown fails the engine's requests still in flight after
     `shutdown_timeout` seconds (uvicorn's own timeout would cut streams mid-event)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine,
+    def __init__(self, config: uvicorn.Config, engine: ServingEngine,
                  shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
         super().__init__(config)
         self.engine = engine
@@ -49,7 +49,7 @@ class ServerThread:
     """uvicorn serving `app` on 127.0.0.1 at a free port, in a daemon thread."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", log_level: str = "warning",
-                 engine: AsyncEngine | None = None,
+                 engine: ServingEngine | None = None,
                  shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -77,7 +77,7 @@ class ServerThread:
 
 
 @contextmanager
-def serve_in_thread(engine: AsyncEngine, served_model_name: str,
+def serve_in_thread(engine: ServingEngine, served_model_name: str,
                     log_level: str = "warning") -> Iterator[ServerThread]:
     """Serve `engine` (with its metrics) until the block ends; the engine stays up."""
     from engine.server import build_app

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server over `AsyncEngine`.
+"""OpenAI-compatible HTTP server over an engine (`AsyncEngine`, or `DataParallelEngine`).
 
 `build_app(engine, served_model_name)` gives a FastAPI app with /v1/completions,
 /v1/chat/completions (SSE streaming or not), /v1/models, /health and /metrics. Every
@@ -29,10 +29,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import protocol as P
 from engine.async_engine import (
-    AsyncEngine,
     EngineDeadError,
     EngineShutdownError,
+    ReplicaFailedError,
     RequestFailedError,
+    ServingEngine,
 )
 from engine.formats import (
     ChatFormat,
@@ -70,6 +71,9 @@ def _engine_error(err: Exception) -> P.APIError:
     if isinstance(err, EngineShutdownError):
         return P.APIError(str(err), status=503, code="server_shutting_down",
                           type="server_error")
+    if isinstance(err, ReplicaFailedError):
+        return P.APIError(f"The engine replica serving this request failed: {err}",
+                          status=500, code="replica_failed", type="server_error")
     if isinstance(err, EngineDeadError):
         return P.APIError(f"The engine failed and cannot serve requests: {err}", status=500,
                           code="engine_dead", type="server_error")
@@ -85,7 +89,7 @@ def _error_response(err: P.APIError) -> JSONResponse:
 class _OpenAIServer:
     """Turns validated requests into engine requests and engine deltas into responses."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, max_body_bytes: int) -> None:
+    def __init__(self, engine: ServingEngine, model_name: str, max_body_bytes: int) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_body_bytes = max_body_bytes
@@ -197,7 +201,8 @@ class _OpenAIServer:
                 return EventStream(self._events(job, fmt, choices, first), choices.close)
             body = await until_disconnected(request, self._collect(job, fmt, choices, first))
             return JSONResponse(body)
-        except (ValueError, EngineDeadError, EngineShutdownError, RequestFailedError) as err:
+        except (ValueError, EngineDeadError, EngineShutdownError, RequestFailedError,
+                ReplicaFailedError) as err:
             return _error_response(_engine_error(err))
         except ClientGone:
             return Response(status_code=499)
@@ -238,25 +243,13 @@ def _wrap_int64(value: int) -> int:
     return (value - P.INT64[0]) % (1 << 64) + P.INT64[0]
 
 
-def wire_engine_metrics(engine: AsyncEngine, registry: CollectorRegistry,
+def wire_engine_metrics(engine: ServingEngine, registry: CollectorRegistry,
                         model_name: str) -> Callable[[], None]:
     """Export the engine's `specbudget:*` metrics on `registry`; returns the undo."""
-    from engine.metrics import EngineMetrics
-
-    metrics = EngineMetrics(registry, model_name)
-    engine.on_step.append(metrics.on_step)
-
-    def unwire() -> None:
-        if metrics.on_step in engine.on_step:
-            engine.on_step.remove(metrics.on_step)
-        metrics.unregister()
-
-    return unwire
+    return engine.export_metrics(registry, model_name)
 
 
-
-
-def build_app(engine: AsyncEngine, served_model_name: str,
+def build_app(engine: ServingEngine, served_model_name: str,
               registry: CollectorRegistry | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The OpenAI-compatible app over `engine`; see the module docstring."""
@@ -293,10 +286,12 @@ def build_app(engine: AsyncEngine, served_model_name: str,
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.is_alive:
-            return Response(status_code=200)
-        return _error_response(P.APIError("The engine is not running", status=503,
-                                          code="engine_dead", type="server_error"))
+        serving, details = engine.health()
+        if serving:
+            return JSONResponse(details) if details else Response(status_code=200)
+        body = P.APIError("The engine is not running", status=503, code="engine_dead",
+                          type="server_error").body()
+        return JSONResponse({**body, **details}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -15,7 +15,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import ServingEngine
 from engine.formats import Job
 from engine.output import RequestDelta
 
@@ -30,7 +30,7 @@ class Choices:
     engine request if it has not finished.
     """
 
-    def __init__(self, engine: AsyncEngine, job: Job) -> None:
+    def __init__(self, engine: ServingEngine, job: Job) -> None:
         self._queue: asyncio.Queue[tuple[int, RequestDelta | Exception]] = asyncio.Queue()
         self._pending = len(job.params)
         self._tasks = [
