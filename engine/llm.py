@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -15,6 +16,9 @@ from engine.tokenizer import Tokenizer
 from runner.models.llama import LlamaForCausalLM
 from scheduler import Request, SamplingParams
 from spec_decode import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from engine.data_parallel import DataParallelEngine
 
 
 @dataclass
@@ -39,18 +43,29 @@ class LLM:
 
     `speculative_config` is a vLLM-style dict, e.g. {"method": "ngram",
     "num_speculative_tokens": 4}; other keyword arguments are EngineConfig fields.
+    `data_parallel_size=N > 1` runs N engine replicas on Ray (`ray_address` joins a
+    cluster) and spreads the prompts over them (engine/data_parallel.py).
     """
 
     def __init__(self, model: str | None = None,
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
-                 loaded_model: LlamaForCausalLM | None = None, **kwargs: Any) -> None:
+                 loaded_model: LlamaForCausalLM | None = None, data_parallel_size: int = 1,
+                 ray_address: str | None = None, **kwargs: Any) -> None:
         spec = (speculative_config if isinstance(speculative_config, SpeculativeConfig)
                 else SpeculativeConfig.from_dict(speculative_config))
         self.config = EngineConfig(model=model, speculative_config=spec, **kwargs)
+        self._ids = itertools.count()
+        self.replicas: DataParallelEngine | None = None
+        if data_parallel_size > 1:
+            from engine.data_parallel import DataParallelEngine
+
+            self.replicas = DataParallelEngine(self.config, data_parallel_size, ray_address)
+            self.replicas.wait_ready(every=True)
+            self.tokenizer = self.replicas.tokenizer
+            return
         self.engine = EngineCore(self.config, model=loaded_model)
         self.tokenizer = Tokenizer.from_dir(self.engine.runner.model_path)
         self.processor = OutputProcessor(self.tokenizer)
-        self._ids = itertools.count()
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | None = None,
@@ -58,6 +73,8 @@ class LLM:
         """Run every prompt to completion; outputs come back in prompt order."""
         params = sampling_params or SamplingParams()
         items: list[str | list[int]] = [prompts] if isinstance(prompts, str) else list(prompts)
+        if self.replicas is not None:
+            return asyncio.run(self._generate_on_replicas(self.replicas, items, params))
         outputs: dict[str, RequestOutput] = {}
         try:
             for item in items:
@@ -90,6 +107,41 @@ class LLM:
                         bar.update(1)
         return list(outputs.values())
 
+    async def _generate_on_replicas(self, replicas: DataParallelEngine,
+                                    items: list[str | list[int]],
+                                    params: SamplingParams) -> list[RequestOutput]:
+        """Every prompt at once through the router; a refusal cancels the rest."""
+        outputs = []
+        for item in items:
+            ids = (self.tokenizer.encode(item) if isinstance(item, str)
+                   else [int(t) for t in item])
+            outputs.append(RequestOutput(str(next(self._ids)),
+                                         item if isinstance(item, str) else None, ids,
+                                         [CompletionOutput(0, "", [], None)]))
+
+        async def run(out: RequestOutput) -> None:
+            completion = out.outputs[0]
+            async for delta in replicas.generate(out.request_id, out.prompt_token_ids,
+                                                 params):
+                completion.token_ids.extend(delta.new_token_ids)
+                completion.text += delta.delta_text
+                if delta.finished:
+                    completion.finish_reason = delta.finish_reason
+                    out.finished = True
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for out in outputs:
+                    group.create_task(run(out))
+        except BaseExceptionGroup as errors:  # the first failure, as a single engine raises
+            raise errors.exceptions[0] from None
+        return outputs
+
+    def close(self) -> None:
+        """Stop the replicas (data-parallel); a single engine needs nothing."""
+        if self.replicas is not None:
+            self.replicas.shutdown()
+
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
@@ -102,7 +154,11 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_metrics(self) -> dict[str, Any]:
-        """Scheduler counters and speculative-decoding figures since start."""
+        """Scheduler counters and speculative-decoding figures since start (with
+        replicas: each replica's state and how many requests it was sent)."""
+        if self.replicas is not None:
+            return {"replicas": [{**r.describe(), "num_routed": r.num_routed}
+                                 for r in self.replicas.replicas]}
         stats = self.engine.scheduler.stats
         return {
             "num_steps": stats.num_steps,

@@ -111,3 +111,30 @@ def test_throttle_e2e_merge_flags_rounds_that_decided_differently() -> None:
     assert not merge_rounds([base, dict(base, steps=8)])["same_decisions_every_round"]
     assert not merge_rounds([base, dict(base, outputs={"0": [1, 3]})])[
         "same_decisions_every_round"]
+
+
+def test_scheduler_work_counts_calls_per_request(tmp_path: Path) -> None:
+    from benchmarks import scheduler_work
+
+    report = scheduler_work.main(["--quick", "--methods", "off,ngram", "--out",
+                                  str(tmp_path / "w.json")])
+    rows = {r["method"]: r for r in report["results"]}
+    assert all(r["steady_steps"] > 0 and r["calls_per_running_request"] > 1
+               for r in rows.values())
+    # Drafts make more work per request than speculation off.
+    assert rows["ngram"]["calls_per_running_request"] > rows["off"]["calls_per_running_request"]
+
+
+def test_serve_dp_front_end_cost_reads_the_lowest_concurrency() -> None:
+    from benchmarks.serve_dp import SERIES, front_end_cost
+
+    def run(ttft: float, itl: float, tput: float) -> dict:
+        return {"concurrency": 1, "ttft_ms": {"p50": ttft}, "itl_ms": {"p50": itl},
+                "output_throughput": tput}
+
+    series = dict(zip(SERIES, ([run(100, 20, 50), run(0, 0, 90)],
+                               [run(104, 20.5, 48), run(0, 0, 80)],
+                               [run(110, 30, 40), run(0, 0, 99)]), strict=True))
+    cost = front_end_cost(series)
+    assert cost["added_ttft_ms_p50"] == 4 and cost["added_itl_ms_p50"] == 0.5
+    assert cost["throughput_ratio_n2_over_one_engine"] == [0.8, 1.1]
