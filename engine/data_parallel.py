@@ -175,11 +175,12 @@ class DataParallelEngine:
                     emitted, finished = True, delta.finished
                     yield delta
                 return
-            except Exception as err:
+            except Exception as raised:
                 if self._closing is not None:
                     raise self._closing from None
+                err = self._unwrap(raised)
                 if not self._replica_failed(err):
-                    raise  # the request's own error (a refusal, a traced fault)
+                    raise err from None  # the request's own error: a refusal, a traced fault
                 self._mark_dead(replica, err)
                 if emitted:
                     self.num_failed_streams += 1
@@ -207,6 +208,14 @@ class DataParallelEngine:
         replica = self.replicas[load.index]
         replica.num_routed += 1
         return replica
+
+    def _unwrap(self, err: Exception) -> Exception:
+        """The replica's own exception (a ValueError refusal, RequestFailedError, ...)
+        rather than Ray's wrapper, whose message carries the remote traceback."""
+        cause = getattr(err, "cause", None)
+        if isinstance(err, self._ray.exceptions.RayTaskError) and isinstance(cause, Exception):
+            return cause
+        return err
 
     def _replica_failed(self, err: BaseException) -> bool:
         """An actor gone, or its engine dead: not this request's fault."""

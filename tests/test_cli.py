@@ -204,3 +204,13 @@ def test_serve_bench_script_self_contained(tmp_path: Path) -> None:
     assert off["spec_decode"]["num_draft_tokens"] == 0
     assert ngram["spec_decode"]["num_draft_tokens"] > 0
     assert (tmp_path / "s.png").exists()
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1"),
+    (["--ray-address", "10.0.0.1:6379"], "--ray-address needs --data-parallel-size > 1"),
+])
+def test_serve_refuses_bad_data_parallel_options(argv: list[str], says: str) -> None:
+    args = cli._parser().parse_args(["serve", *argv])
+    with pytest.raises(SystemExit, match=says):
+        cli.serve(args)

@@ -132,3 +132,35 @@ def test_killed_replica_loses_no_unstarted_request_and_returns(
     while not (victim.load.state is ReplicaState.READY and victim.info["pid"] != old_pid):
         assert time.monotonic() < deadline, victim.describe()
         time.sleep(0.2)
+
+
+def test_engine_fault_in_a_replica_is_replaced(dp: DataParallelEngine) -> None:
+    """A replica whose engine died (its process alive) is seen dead, killed and
+    restarted by Ray; meanwhile the other replica serves every request."""
+    victim, other = dp.replicas[1], dp.replicas[0]
+    old_pid = victim.info["pid"]
+    ray.get(victim.actor.__ray_call__.remote(
+        lambda replica: setattr(replica.engine, "dead", RuntimeError("injected fault"))))
+    seen_down = False
+    deadline = time.monotonic() + 300
+    while not (victim.load.state is ReplicaState.READY and victim.info["pid"] != old_pid):
+        assert time.monotonic() < deadline, victim.describe()
+        if victim.load.state is not ReplicaState.READY and not seen_down:
+            seen_down = True
+            assert dp.health()[0]  # still serving through the other replica
+            routed = other.num_routed
+            params = SamplingParams(max_tokens=4, temperature=0.0)
+            asyncio.run(_tokens(dp, "during-fault", PROMPTS[0], params))
+            assert other.num_routed == routed + 1
+        time.sleep(0.1)
+    assert seen_down
+
+
+def test_a_refused_request_gets_the_replicas_own_error(dp: DataParallelEngine) -> None:
+    """A refusal comes back as the engine's ValueError naming the limit, not Ray's
+    wrapper with a remote traceback; nothing is re-sent."""
+    resent = dp.num_resent
+    with pytest.raises(ValueError, match="max_model_len=512") as info:
+        asyncio.run(_tokens(dp, "too-long", list(range(3, 600)), SamplingParams()))
+    assert "Traceback" not in str(info.value) and type(info.value) is ValueError
+    assert dp.num_resent == resent
