@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.async_engine import ServingEngine
+    from engine.bench import LoadConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,3 +34,20 @@ def out_path(args: argparse.Namespace, default_out: Path) -> Path:
 def write_report(path: Path, report: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def serve_and_sweep(engine: ServingEngine, model_name: str, label: str, base: LoadConfig,
+                    concurrencies: list[int]) -> list[dict[str, Any]]:
+    """Serve `engine` in this process, run the bench-serve sweep against it, then shut
+    the engine down (the serving benchmarks' one series)."""
+    from engine import bench
+    from engine.local_server import serve_in_thread
+
+    try:
+        with serve_in_thread(engine, model_name) as server:
+            print(f"== {label}: {server.base_url}", flush=True)
+            return bench.run_sweep(server.base_url, model_name, base,
+                                   concurrencies=concurrencies,
+                                   log=lambda line: print("  " + line, flush=True))
+    finally:
+        engine.shutdown()

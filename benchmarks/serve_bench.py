@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make the repo's packages importable
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import serve_and_sweep  # noqa: E402
 from engine import bench  # noqa: E402
 from engine.bench_plot import plot_series  # noqa: E402
 
@@ -46,7 +47,6 @@ def run_self_contained(base: bench.LoadConfig, concurrencies: list[int],
 
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
-    from engine.local_server import serve_in_thread
     from runner.model_loader import load_model
     from runner.model_prep import resolve_model
     from spec_decode import SpeculativeConfig
@@ -57,14 +57,7 @@ def run_self_contained(base: bench.LoadConfig, concurrencies: list[int],
         config = EngineConfig(speculative_config=SpeculativeConfig.from_dict(spec),
                               **engine_args)
         engine = AsyncEngine(config, model=model, log_interval_s=1e9)
-        try:
-            with serve_in_thread(engine, MODEL_NAME) as server:
-                print(f"== {label}: {server.base_url}", flush=True)
-                series[label] = bench.run_sweep(
-                    server.base_url, MODEL_NAME, base, concurrencies=concurrencies,
-                    log=lambda line: print("  " + line, flush=True))
-        finally:
-            engine.shutdown()
+        series[label] = serve_and_sweep(engine, MODEL_NAME, label, base, concurrencies)
     return series
 
 

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make the repo's packages importable
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import serve_and_sweep  # noqa: E402
 from engine import bench  # noqa: E402
 from engine.bench_plot import plot_series  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
@@ -59,20 +60,8 @@ def _engine(label: str, config: EngineConfig) -> Any:
 
 def run_series(base: bench.LoadConfig, concurrencies: list[int],
                config: EngineConfig) -> dict[str, list[dict[str, Any]]]:
-    from engine.local_server import serve_in_thread
-
-    series = {}
-    for label in SERIES:
-        engine = _engine(label, config)
-        try:
-            with serve_in_thread(engine, MODEL_NAME) as server:
-                print(f"== {label}: {server.base_url}", flush=True)
-                series[label] = bench.run_sweep(
-                    server.base_url, MODEL_NAME, base, concurrencies=concurrencies,
-                    log=lambda line: print("  " + line, flush=True))
-        finally:
-            engine.shutdown()
-    return series
+    return {label: serve_and_sweep(_engine(label, config), MODEL_NAME, label, base,
+                                   concurrencies) for label in SERIES}
 
 
 def front_end_cost(series: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
