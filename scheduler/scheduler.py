@@ -9,8 +9,6 @@ request (the newest under FCFS) when the pool is short.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from scheduler.budget import (
     RequestView,
     StepBudget,
@@ -33,7 +31,7 @@ from scheduler.request_queue import make_queue
 from scheduler.running_plan import RunningPlanner, RunningState, RunPlan
 from scheduler.stats import SchedulerStats
 from scheduler.step_output import build_output
-from scheduler.update import append_tokens, count_accepted
+from scheduler.update import append_tokens, count_accepted, in_schedule_order
 from spec_decode import SpeculativeConfig
 
 
@@ -361,7 +359,7 @@ class Scheduler:
         advanced: list[Request] = []  # still running: their full blocks cached after
         verified_counts: list[int] = []
         accepted_counts: list[int] = []
-        for rid, sampled in _in_schedule_order(scheduler_output, runner_output):
+        for rid, sampled in in_schedule_order(scheduler_output, runner_output):
             request = requests.get(rid)
             if request is None:
                 continue  # aborted after it was scheduled
@@ -398,12 +396,3 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
 
-
-def _in_schedule_order(out: SchedulerOutput,
-                       result: ModelRunnerOutput) -> Iterable[tuple[str, list[int]]]:
-    """(request id, sampled tokens) in the schedule's order, whatever the runner's."""
-    if len(result.req_ids) == len(out.num_scheduled_tokens) and \
-            result.req_ids == list(out.num_scheduled_tokens):
-        return zip(result.req_ids, result.sampled_token_ids)
-    index = {rid: i for i, rid in enumerate(result.req_ids)}
-    return ((rid, result.sampled_token_ids[index[rid]]) for rid in out.num_scheduled_tokens)

@@ -1,8 +1,12 @@
 """What one step's sampled tokens do to one request: pure per-request rules that
-`Scheduler.update_from_output` applies to every scheduled request."""
+`Scheduler.update_from_output` applies to every scheduled request, in the order
+`in_schedule_order` gives."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 
 
@@ -56,3 +60,13 @@ def _append_one_by_one(request: Request, sampled: list[int],
                 or request.num_tokens >= max_model_len):
             return RequestStatus.FINISHED_LENGTH
     return None
+
+
+def in_schedule_order(out: SchedulerOutput,
+                      result: ModelRunnerOutput) -> Iterable[tuple[str, list[int]]]:
+    """(request id, sampled tokens) in the schedule's order, whatever the runner's."""
+    if len(result.req_ids) == len(out.num_scheduled_tokens) and \
+            result.req_ids == list(out.num_scheduled_tokens):
+        return zip(result.req_ids, result.sampled_token_ids)
+    index = {rid: i for i, rid in enumerate(result.req_ids)}
+    return ((rid, result.sampled_token_ids[index[rid]]) for rid in out.num_scheduled_tokens)
