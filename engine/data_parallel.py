@@ -135,7 +135,11 @@ class DataParallelEngine:
                 self._mark_dead(replica, err)
                 continue
             if replica.load.state is not ReplicaState.READY:
-                replica.info = ray.get(replica.actor.info.remote())
+                try:  # bounded, like the calls above: the monitor must never hang
+                    replica.info = ray.get(replica.actor.info.remote(),
+                                           timeout=max(2.0, self.health_interval_s))
+                except Exception:
+                    continue  # asked again next round
                 replica.error = None
                 logger.info("replica %d ready (pid %s)", replica.load.index,
                             replica.info.get("pid"))

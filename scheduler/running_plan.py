@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import chain
 
 import numpy as np
@@ -69,7 +70,7 @@ class RunPlan:
     def count(self) -> int:
         return len(self.requests)
 
-    @property
+    @cached_property  # read by the budget and by the output: summed once
     def total_rows(self) -> list[int]:
         return self.rows.sum(axis=0).tolist()
 

@@ -357,6 +357,7 @@ class Scheduler:
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         requests, max_model_len = self.requests, self.config.max_model_len
         advanced: list[Request] = []  # still running: their full blocks cached after
+        finished = False
         verified_counts: list[int] = []
         accepted_counts: list[int] = []
         for rid, sampled in in_schedule_order(scheduler_output, runner_output):
@@ -387,12 +388,13 @@ class Scheduler:
             # prompt still serves later prefix hits.
             self.kv.cache_full_blocks((request,))
             self._finish(request, status)
+            finished = True
             new = request.output_token_ids[num_before:]
             outputs.append(EngineCoreOutput(rid, new, True, request.finish_reason,
                                             logprobs[rid][:len(new)] if rid in logprobs else []))
         self.kv.cache_full_blocks(advanced)
         self.stats.spec.record_many(verified_counts, accepted_counts)
-        if len(advanced) < len(self.running):  # some finished
+        if finished:  # (running requests left unscheduled this step stay as they are)
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
 
