@@ -26,7 +26,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
     attention_backend: str = "auto"
     speculative_config: SpeculativeConfig | None = None
 

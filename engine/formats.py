@@ -132,6 +132,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "specbudget"
     max_model_len: int
+    dtype: str  # what the weights and activations run in ("auto" resolved)
 
 
 class ModelList(BaseModel):

@@ -1,0 +1,53 @@
+"""`dtype="auto"`: bfloat16 only where the hardware computes it natively."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import cli
+from engine.config import EngineConfig
+from runner.config import RunnerConfig
+from runner.dtype import cpu_flags, resolve_dtype
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ({"avx2", "fma", "avx512f", "avx512_bf16"}, "bfloat16"),
+    ({"avx2", "amx_bf16", "amx_tile"}, "bfloat16"),
+    ({"avx2", "fma", "avx512f", "avx512bw"}, "float32"),  # AVX-512 without bf16 dot products
+    (set(), "float32"),
+])
+def test_auto_picks_bf16_only_with_native_support(flags: set[str], expected: str) -> None:
+    choice = resolve_dtype("auto", "cpu", frozenset(flags))
+    assert choice.dtype == expected
+    assert choice.reason.startswith("auto:")
+
+
+def test_auto_on_cuda_and_explicit_choices() -> None:
+    assert resolve_dtype("auto", "cuda:0", frozenset()).dtype == "bfloat16"
+    for name in ("float32", "float16", "bfloat16"):
+        choice = resolve_dtype(name, "cpu", frozenset({"avx512_bf16"}))
+        assert (choice.dtype, choice.reason) == (name, "set by the user")
+
+
+def test_cpu_flags_reads_the_first_processor(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: X\nflags\t\t: fpu avx2 avx512_bf16\n\n"
+                    "processor\t: 1\nflags\t\t: fpu\n")
+    assert cpu_flags(info) == frozenset({"fpu", "avx2", "avx512_bf16"})
+    assert cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_auto_is_the_default_everywhere_and_resolves_on_this_machine() -> None:
+    assert RunnerConfig().dtype == EngineConfig().dtype == "auto"
+    assert cli._parser().parse_args(["serve"]).dtype == "auto"
+    native = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    assert RunnerConfig().torch_dtype == (torch.bfloat16 if native else torch.float32)
+
+
+def test_unknown_dtype_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"RunnerConfig\.dtype must be auto or one of "
+                                         r"float32, float16, bfloat16, got 'int4'"):
+        RunnerConfig(dtype="int4")
