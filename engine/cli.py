@@ -100,8 +100,10 @@ def _add_engine_args(parser: argparse.ArgumentParser, spec_default: str | None) 
                         action="store_false")
     parser.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"))
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32",
-                        choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--dtype", default="auto",
+                        choices=("auto", "float32", "float16", "bfloat16"),
+                        help="auto (default): bfloat16 on CUDA and on CPUs with native bf16 "
+                        "(avx512_bf16 or amx_bf16), float32 elsewhere")
 
 
 def _add_serve_parser(sub: Any) -> None:
@@ -278,6 +280,10 @@ def generate(args: argparse.Namespace) -> int:
                  if f.name not in ("model", "speculative_config")})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             seed=args.seed)
+    if llm.replicas is None:
+        runner = llm.engine.runner
+        print(f"dtype {runner.dtype_description}; linear kernel {runner.kernel_description}",
+              flush=True)
     start = time.perf_counter()
     if chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,

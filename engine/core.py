@@ -48,6 +48,8 @@ class EngineCore:
         self.scheduler = Scheduler(sched_cfg, cache_cfg, config.speculative_config)
         self._check_kv_holds_one_request(num_blocks)
         self._failed_steps = 0  # in a row
+        logger.info("dtype %s, linear kernel %s", self.runner.dtype_description,
+                    self.runner.kernel_description)
 
     def _check_kv_holds_one_request(self, num_blocks: int) -> None:
         """Refuse to start with a KV cache that cannot hold one max_model_len request:

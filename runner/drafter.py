@@ -77,7 +77,10 @@ def _make_head(spec: SpeculativeConfig, target: LlamaForCausalLM,
     else:
         head = load_eagle3(Path(str(model)), target)
     weight = target.lm_head.weight
-    return head.to(device=weight.device, dtype=weight.dtype)
+    head = head.to(device=weight.device, dtype=weight.dtype)
+    if target.kernel_choice is not None:
+        head.pack(target.kernel_choice.kernel)
+    return head
 
 
 def _make_net(spec: SpeculativeConfig, target: LlamaForCausalLM,
@@ -89,6 +92,8 @@ def _make_net(spec: SpeculativeConfig, target: LlamaForCausalLM,
         return DraftLM(target)  # the default model drafts for itself: shared weights
     weight = target.lm_head.weight
     draft = load_model(resolve_model(spec.model), weight.dtype, weight.device)
+    if target.kernel_choice is not None:
+        draft.pack(target.kernel_choice)
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"draft model {spec.model!r} has vocab_size "
                          f"{draft.config.vocab_size}, the target {target.config.vocab_size}: "

@@ -28,12 +28,14 @@ import torch
 from torch import nn
 
 from runner.attention import AttentionBackend, AttentionMetadata
+from runner.models.linear import LinearKernel, PackedLinear
 from runner.models.llama import (
     LlamaAttention,
     LlamaConfig,
     LlamaForCausalLM,
     LlamaMLP,
     RMSNorm,
+    Rotary,
     rope_inv_freq,
     vocab_projection,
 )
@@ -110,12 +112,12 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rope: Rotary,
+                kv_cache: KVCache, meta: AttentionMetadata,
                 attn: AttentionBackend) -> torch.Tensor:
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
-        h = hidden + self.self_attn(x, cos, sin, kv_cache, meta, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attn(x, hidden, rope, kv_cache, meta, attn)
+        return self.mlp.forward_add(self.post_attention_layernorm(h), h)
 
 
 class Eagle3Head(nn.Module):
@@ -138,6 +140,8 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.embed_tokens: nn.Embedding | None = None
         self._inv_freq: torch.Tensor | None = None
+        self._fc: PackedLinear | None = None
+        self._lm_head: PackedLinear | None = None
         if seed is not None:
             gen = torch.Generator().manual_seed(seed)
             with torch.no_grad():
@@ -149,6 +153,13 @@ class Eagle3Head(nn.Module):
     def config(self) -> LlamaConfig:
         return self.head_config.llama
 
+    def pack(self, kernel: LinearKernel) -> None:
+        """Inference only, as `LlamaForCausalLM.pack`."""
+        self._fc = kernel.pack(self.fc.weight, None)
+        self.midlayer.self_attn.pack(kernel)
+        self.midlayer.mlp.pack(kernel)
+        self._lm_head = kernel.pack(self.lm_head.weight, None)
+
     @property
     def num_layers(self) -> int:
         return 1
@@ -159,7 +170,8 @@ class Eagle3Head(nn.Module):
 
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[R, 3H] target features -> [R, H], the hidden state of a context row."""
-        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+        x = aux_hidden.to(self.fc.weight.dtype)
+        return self._fc(x) if self._fc is not None else self.fc(x)
 
     def forward(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata,
@@ -167,8 +179,8 @@ class Eagle3Head(nn.Module):
         """token_ids, positions [R]; hidden [R, H] (projected, or the head's own
         output) -> output hidden [R, H], before the final norm."""
         embeds = self.embed(token_ids).to(hidden.dtype)
-        cos, sin = self.rope(positions, hidden.dtype)
-        return self.midlayer(embeds, hidden, cos, sin, kv_caches[0], meta, attn)
+        rope = Rotary.from_cos_sin(*self.rope(positions, hidden.dtype))
+        return self.midlayer(embeds, hidden, rope, kv_caches[0], meta, attn)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,6 +193,8 @@ class Eagle3Head(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> fp32 logits over the draft vocabulary."""
+        if self._lm_head is not None:
+            return self._lm_head(self.norm(hidden)).float()
         return vocab_projection(self.norm(hidden), self.lm_head.weight).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

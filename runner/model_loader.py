@@ -47,3 +47,14 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         state.update(load_file(str(file)))
     model.load_weights(state)
     return model.eval()
+
+
+def pack_for_inference(model: LlamaForCausalLM, device: str | torch.device) -> LlamaForCausalLM:
+    """Pack the model's linear layers for the fastest row-invariant kernel here
+    (runner/models/linear.py); a model already packed keeps its kernel."""
+    from runner.models.linear import select_linear_kernel
+
+    if model.kernel_choice is None:
+        model.pack(select_linear_kernel(model.lm_head.weight.dtype, device,
+                                        model.config.hidden_size))
+    return model

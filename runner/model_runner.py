@@ -22,7 +22,7 @@ from runner.buffers import StepBuffers
 from runner.config import RunnerConfig, kv_bytes_per_block
 from runner.input_prep import PreparedStep, prepare_inputs, write_spec_tokens
 from runner.invariant import StepFacts, StepRows, check_step
-from runner.model_loader import load_model
+from runner.model_loader import load_model, pack_for_inference
 from runner.model_prep import resolve_model
 from runner.models.llama import LlamaForCausalLM
 from runner.request_states import RequestStates
@@ -55,7 +55,7 @@ class ModelRunner:
         self.model_path = resolve_model(config.model)
         if model is None:
             model = load_model(self.model_path, config.torch_dtype, self.device)
-        self.model = model
+        self.model = pack_for_inference(model, self.device)
         self.model_config = model.config
         self.attn = get_attention_backend(config.backend_name)
         self.sampler = Sampler()
@@ -113,6 +113,17 @@ class ModelRunner:
         ]
         if self.spec:
             self.spec.initialize_kv_cache(num_blocks)
+
+    @property
+    def dtype_description(self) -> str:
+        """e.g. "float32 (auto: the CPU has no native bfloat16 ...)"."""
+        choice = self.config.dtype_choice
+        return f"{self.model.lm_head.weight.dtype} ({choice.reason})".replace("torch.", "")
+
+    @property
+    def kernel_description(self) -> str:
+        choice = self.model.kernel_choice
+        return choice.description if choice else "unpacked"
 
     @property
     def persistent_buffer_bytes(self) -> int:

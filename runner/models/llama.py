@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.attention import AttentionBackend, AttentionMetadata
+from runner.models.linear import KernelChoice, LinearKernel, PackedLinear
 
 # Checkpoint entries that carry no weights we need (old HF saves include the RoPE table).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -147,8 +148,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+@dataclass(frozen=True)
+class Rotary:
+    """One pass's RoPE tables, made once and used by every layer: cos, and sin with
+    the rotate_half sign folded in (the same maths as `apply_rope`, three ops)."""
+
+    cos: torch.Tensor  # [T, 1, D]
+    signed_sin: torch.Tensor  # [T, 1, D]: -sin on the first half, sin on the second
+
+    @classmethod
+    def from_cos_sin(cls, cos: torch.Tensor, sin: torch.Tensor) -> Rotary:
+        half = sin.shape[-1] // 2
+        return cls(cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] (any heads: q and k together)."""
+        half = x.shape[-1] // 2
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return torch.addcmul(x * self.cos, swapped, self.signed_sin)
+
+
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 like HF so bf16 runs match it."""
+    """x / rms(x) * weight, the mean of squares in fp32 (torch's fused kernel)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -156,9 +177,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -178,21 +197,44 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        # Inference only (`pack`): q, k and v in one matmul, and o with the residual.
+        self._qkv: PackedLinear | None = None
+        self._o: PackedLinear | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def pack(self, kernel: LinearKernel) -> None:
+        self._qkv = kernel.pack(*_stacked((self.q_proj, self.k_proj, self.v_proj)))
+        self._o = kernel.pack(self.o_proj.weight, self.o_proj.bias)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, rope: Rotary,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 attn: AttentionBackend) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        """residual + o_proj(attention(x)); x, residual [T, *] -> [T, hidden]."""
+        num_tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        if self._qkv is not None:
+            qkv = self._qkv(x).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
+        else:
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1).view(
+                num_tokens, heads + 2 * kv_heads, self.head_dim)
+        qk = rope(qkv[:, :heads + kv_heads])  # [T, Hq + Hkv, D]
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
         out = attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         if out.shape[0] < num_tokens:
             # Backends return only meta.num_actual_tokens rows; padding rows (fixed-size
             # batches) get zeros so every layer keeps T rows.
             out = F.pad(out, (0, 0, 0, 0, 0, num_tokens - out.shape[0]))
-        return self.o_proj(out.reshape(num_tokens, -1))  # [T, hidden]
+        out = out.reshape(num_tokens, -1)
+        if self._o is not None:
+            return self._o.add(out, residual)
+        return residual + self.o_proj(out)  # [T, hidden]
+
+
+def _stacked(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights (and biases) of linears sharing an input, as one [sum out, in]."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    biases = [lin.bias for lin in linears]
+    if any(b is None for b in biases):
+        return weight, None
+    return weight, torch.cat([b.detach() for b in biases if b is not None])
 
 
 class LlamaMLP(nn.Module):
@@ -204,9 +246,22 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self._gate_up: PackedLinear | None = None
+        self._down: PackedLinear | None = None
+
+    def pack(self, kernel: LinearKernel) -> None:
+        self._gate_up = kernel.pack(*_stacked((self.gate_proj, self.up_proj)))
+        self._down = kernel.pack(self.down_proj.weight, self.down_proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + forward(x), through the packed kernels when packed."""
+        if self._gate_up is None or self._down is None:
+            return residual + self.forward(x)
+        gate, up = self._gate_up(x).chunk(2, dim=-1)
+        return self._down.add(F.silu(gate) * up, residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -219,11 +274,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: Rotary,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 attn: AttentionBackend) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attn(self.input_layernorm(x), x, rope, kv_cache, meta, attn)
+        return self.mlp.forward_add(self.post_attention_layernorm(h), h)
 
 
 class LlamaModel(nn.Module):
@@ -250,6 +305,19 @@ class LlamaForCausalLM(nn.Module):
         # RoPE frequencies, made on first use on the input's device: a plain attribute
         # (not a buffer) survives meta-device construction and dtype casts untouched.
         self._inv_freq: torch.Tensor | None = None
+        self.kernel_choice: KernelChoice | None = None
+        self._lm_head: PackedLinear | None = None
+
+    def pack(self, choice: KernelChoice) -> None:
+        """Prepare every linear layer for `choice.kernel` (inference only: the packed copies
+        do not follow later changes to the parameters, nor carry gradients). Fuses
+        q/k/v and gate/up into one matmul each and the residual adds into the kernel."""
+        for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            layer.self_attn.pack(choice.kernel)
+            layer.mlp.pack(choice.kernel)
+        self._lm_head = choice.kernel.pack(self.lm_head.weight, None)
+        self.kernel_choice = choice
 
     def tie_weights(self) -> None:
         """Share the embedding as the LM head when the config says so. Called again on
@@ -257,13 +325,12 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def _rope_cos_sin(self, positions: torch.Tensor,
-                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
         if self._inv_freq is None or self._inv_freq.device != positions.device:
             self._inv_freq = rope_inv_freq(self.config, positions.device)
         freqs = positions.float()[:, None] * self._inv_freq[None, :]  # [T, D/2], fp32
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return Rotary.from_cos_sin(angles.cos().to(dtype), angles.sin().to(dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -285,17 +352,19 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV caches for "
                              f"{len(self.model.layers)} layers")
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self._rope_cos_sin(positions, x.dtype)
+        rope = self._rope(positions, x.dtype)
         aux = []
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             if i in aux_layer_ids:
                 aux.append(x)
-            x = layer(x, cos, sin, kv_cache, meta, attn)
+            x = layer(x, rope, kv_cache, meta, attn)
         features = torch.cat(aux, dim=-1) if aux else x[:, :0]
         return self.model.norm(x), features
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in fp32 (sampling wants fp32)."""
+        if self._lm_head is not None:
+            return self._lm_head(hidden).float()
         return vocab_projection(hidden, self.lm_head.weight).float()
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
@@ -317,6 +386,8 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
                                      f"model shape {tuple(param.shape)}")
                 param.copy_(tensor)
+        if self.kernel_choice is not None:
+            self.pack(self.kernel_choice)  # the packed copies hold the old weights
 
 
 def _preview(names: list[str], limit: int = 5) -> str:

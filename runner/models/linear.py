@@ -1,0 +1,150 @@
+"""Linear layers prepared once for the kernel that runs them at inference.
+
+A decode or verification step multiplies a few rows by every weight of the model, so
+the kernel's cost at 1-17 rows is the step's cost. Measured on this project's 2-core
+AVX2 machine (float32, the 30 layers + LM head of SmolLM2-135M, ms per forward at
+1 / 2 / 5 / 17 / 64 rows): `F.linear` 52 / 85 / 130 / 212 / 401, oneDNN with the
+weight packed once 42 / 44 / 54 / 104 / 275 (`benchmarks/cpu_forward.py`).
+
+A kernel must also give a row the same bits whatever else shares the call: greedy
+speculative decoding verifies k + 1 rows in a pass where plain decoding has one, and
+the two must choose the same tokens. `F.linear` in float32 does not (one to a few rows
+take a matrix-vector path that sums in another order); the packed oneDNN kernel does.
+`select_linear_kernel` checks that on this machine at start and keeps the first
+candidate that passes, so a machine whose libraries behave otherwise falls back
+instead of silently diverging.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+class PackedLinear(ABC):
+    """One layer's weight (and bias) in the kernel's layout."""
+
+    out_features: int
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out]."""
+
+    @abstractmethod
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x), fused where the kernel can."""
+
+
+class LinearKernel(ABC):
+    name: str = "?"
+
+    @abstractmethod
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
+        """weight [out, in]. Pack again after changing a weight: a packed copy does
+        not follow it."""
+
+
+class _TorchPacked(PackedLinear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight.detach()
+        self.bias = None if bias is None else bias.detach()
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual + F.linear(x, self.weight, self.bias)
+
+
+class TorchLinear(LinearKernel):
+    """Plain `F.linear` (any device, any dtype): the fallback."""
+
+    name = "torch"
+
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
+        return _TorchPacked(weight, bias)
+
+
+class _OneDNNPacked(PackedLinear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        weight = weight.detach().contiguous()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.bias = None if bias is None else bias.detach().clone()
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed,
+                                                         self.bias, "add")
+
+
+class OneDNNLinear(LinearKernel):
+    """oneDNN on CPU with the weight reordered once (what torch.compile's CPU backend
+    uses after freezing); the residual add runs as the kernel's post-op."""
+
+    name = "onednn"
+
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
+        return _OneDNNPacked(weight, bias)
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernel a model runs with, and whether rows are independent under it."""
+
+    kernel: LinearKernel
+    row_invariant: bool
+
+    @property
+    def description(self) -> str:
+        state = "row-invariant" if self.row_invariant else "NOT row-invariant"
+        return f"{self.kernel.name} ({state})"
+
+
+# Row counts checked against a wide call: one row (matrix-vector paths), the small
+# counts verification uses, and counts past a register tile.
+_PROBE_ROWS = (1, 2, 3, 5, 9, 17, 33)
+
+
+def is_row_invariant(kernel: LinearKernel, dtype: torch.dtype, in_features: int,
+                     out_features: int = 256, device: str = "cpu") -> bool:
+    """Whether each row of `kernel`'s output is bitwise the same for every number of
+    rows in the call (and with the residual post-op), on random data of these shapes."""
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(dtype)
+    x = torch.randn(64, in_features, generator=gen).to(dtype).to(device)
+    residual = torch.randn(64, out_features, generator=gen).to(dtype).to(device)
+    try:
+        packed = kernel.pack(weight.to(device), None)
+        wide, wide_add = packed(x), packed.add(x, residual)
+        return all(torch.equal(packed(x[:m]), wide[:m])
+                   and torch.equal(packed.add(x[:m], residual[:m]), wide_add[:m])
+                   for m in _PROBE_ROWS)
+    except (RuntimeError, NotImplementedError):
+        return False  # the kernel does not run here at all
+
+
+def _candidates(dtype: torch.dtype, device: torch.device) -> list[LinearKernel]:
+    kernels: list[LinearKernel] = []
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        kernels.append(OneDNNLinear())
+    kernels.append(TorchLinear())
+    return kernels
+
+
+def select_linear_kernel(dtype: torch.dtype, device: torch.device | str,
+                         in_features: int) -> KernelChoice:
+    """The first candidate (fastest first) that is row-invariant here; plain
+    `F.linear` when none is."""
+    device = torch.device(device)
+    candidates = _candidates(dtype, device)
+    for kernel in candidates:
+        if is_row_invariant(kernel, dtype, in_features, device=str(device)):
+            return KernelChoice(kernel, True)
+    return KernelChoice(candidates[-1], False)
