@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from runner.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from runner.attention import torch_paged
 from runner.attention.torch_paged import TorchPagedAttention
 
 # A decode, a fresh prefill, a chunk continuing after a 9-token cached prefix
@@ -23,7 +24,7 @@ from runner.attention.torch_paged import TorchPagedAttention
 MIXED = [(13, 1), (0, 7), (9, 6), (20, 1)]
 # Long chunks (over BATCHED_MAX_QUERY rows: one call each) beside short queries (one
 # padded call for all), including a query of exactly the batched limit.
-LONG = [(0, 40), (13, 1), (30, 20), (5, 16), (0, 17), (3, 3)]
+LONG = [(0, 40), (13, 1), (30, 20), (5, 32), (0, 33), (3, 3)]
 
 
 @dataclass
@@ -162,6 +163,78 @@ def test_torch_path_matches_dense_reference(reqs: list[tuple[int, int]], block_s
     torch.testing.assert_close(out.double(), dense_reference(batch, scale),
                                atol=1e-5, rtol=1e-5)
     check_cache_writes(batch, key_cache, value_cache)
+
+
+# (a2) a row's output does not depend on what shares the pass -------------------------
+
+class RowProbe:
+    """Requests over one random paged cache (9 query heads over 3 KV heads, like the
+    default model); `rows` attends a batch and returns each (request, position)'s row."""
+
+    def __init__(self, dtype: torch.dtype, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.dtype = dtype
+        self.key_cache = torch.randn(320, 16, 3, 64, generator=gen).to(dtype)
+        self.value_cache = torch.randn(320, 16, 3, 64, generator=gen).to(dtype)
+        self.tables = [torch.randperm(320, generator=gen)[:128].int() for _ in range(12)]
+        self.queries = torch.randn(12, 2048, 9, 64, generator=gen).to(dtype)
+
+    def rows(self, reqs: list[tuple[int, int, int]]) -> dict[tuple[int, int], torch.Tensor]:
+        """reqs: (request, first position, rows); keys already in the cache."""
+        positions = [(r, p) for r, first, n in reqs for p in range(first, first + n)]
+        slots = torch.tensor([int(self.tables[r][p // 16]) * 16 + p % 16 for r, p in positions])
+        starts = [0]
+        for _, _, n in reqs:
+            starts.append(starts[-1] + n)
+        lens = [first + n for _, first, n in reqs]
+        meta = AttentionMetadata(
+            len(positions), len(reqs), torch.tensor(starts, dtype=torch.int32),
+            torch.tensor(lens, dtype=torch.int32), torch.stack([self.tables[r] for r, _, _ in reqs]),
+            slots, max(n for *_, n in reqs), max(lens), starts, lens)
+        query = torch.stack([self.queries[r, p] for r, p in positions])
+        key = self.key_cache.view(-1, 3, 64)[slots].clone()
+        value = self.value_cache.view(-1, 3, 64)[slots].clone()
+        out = TorchPagedAttention().forward(query, key, value, self.key_cache,
+                                            self.value_cache, meta, 0.125)
+        return dict(zip(positions, out, strict=True))
+
+
+def _mismatches(probe: RowProbe, trials: int, seed: int = 0) -> int:
+    """Random trials: a decode row alone, then the same row inside a verification-shaped
+    chunk of its request (1-8 rows around it) beside 0-6 other requests (decodes,
+    verifications, short chunks) at other lengths. How many trials differ bitwise."""
+    rng = torch.Generator().manual_seed(seed)
+
+    def draw(high: int, low: int = 0) -> int:
+        return int(torch.randint(low, high, (1,), generator=rng))
+
+    bad = 0
+    for _ in range(trials):
+        req, pos = draw(12), draw(1900)
+        alone = probe.rows([(req, pos, 1)])[(req, pos)]
+        first = max(0, pos - draw(8))
+        others = [(r, draw(1500), (1, 1, 5, 17)[draw(4)])
+                  for r in torch.randperm(12, generator=rng)[:draw(7)].tolist() if r != req]
+        cut = draw(len(others) + 1)
+        batch = [*others[:cut], (req, first, pos - first + 1 + draw(4)), *others[cut:]]
+        bad += not torch.equal(alone, probe.rows(batch)[(req, pos)])
+    return bad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_row_is_the_same_alone_and_in_any_batch(dtype: torch.dtype) -> None:
+    assert _mismatches(RowProbe(dtype), trials=120) == 0
+
+
+def test_the_row_check_catches_a_batch_dependent_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = torch_paged._attend_batched
+
+    def leaky(query, key_cache, value_cache, plan, scale, out):  # type: ignore[no-untyped-def]
+        res = real(query, key_cache, value_cache, plan, scale, out)
+        return torch.nextafter(res, res + 1) if len(plan.reqs) > 1 else res
+
+    monkeypatch.setattr(torch_paged, "_attend_batched", leaky)
+    assert _mismatches(RowProbe(torch.float32), trials=20) > 0
 
 
 # (b) Triton path under the interpreter, against the torch path ------------------------

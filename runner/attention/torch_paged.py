@@ -1,11 +1,25 @@
 """Paged attention in plain torch: the CPU runtime path and the Triton kernel's reference.
 
-Short queries (decodes and verification rows: at most `BATCHED_MAX_QUERY` rows per
-request), when there are at least `BATCHED_MIN_REQUESTS` of them, run as one padded
-scaled-dot-product call, because a Python loop over requests costs more than the
-attention itself once a few dozen requests decode together; longer prefill chunks run
-one call per request, where padding every request to the longest chunk would cost
-more than the loop.
+Short queries (decodes, verification rows, short chunks: at most `BATCHED_MAX_QUERY`
+rows per request) run together as one padded pair of batched matmuls; longer prefill
+chunks run one scaled-dot-product call per request, where padding every request to the
+longest chunk would cost more than the loop.
+
+The padded path is shaped so that a query row's output does not depend on what else
+shares the pass (speculative decoding's greedy output must equal plain decoding's, and
+a verification pass holds more rows than a decode). Measured with this machine's BLAS
+(`tests/test_attention.py` checks it on every run), a row's result is bitwise the same
+whatever the number of query rows, requests and key padding, provided that:
+
+- every matmul has at least `MIN_GEMM_ROWS` rows (fewer take a matrix-vector kernel
+  that sums in another order): a lone decode row is padded to two queries, six rows
+  with SmolLM2's three query heads per KV head;
+- keys are padded to a multiple of `KEY_ALIGN` and to at least `MIN_KEYS` (below
+  that, how the probabilities-times-values product splits its sum over keys depends
+  on the key count; above it the split is fixed), masked keys adding exact zeros;
+- there are at least `MIN_PROBLEMS` matmuls in the batch (a lone one is split across
+  threads, in another order);
+- scores, softmax and the weighted sum run in float32 whatever the model's dtype.
 """
 
 from __future__ import annotations
@@ -18,10 +32,11 @@ import torch.nn.functional as F
 from runner.attention.backend import AttentionBackend, write_kv
 from runner.attention.metadata import AttentionMetadata
 
-BATCHED_MAX_QUERY = 16
-# The padded call's fixed cost (index building, ~0.6 ms here) is about two per-request
-# calls (~0.35 ms each), so one or two short requests keep the loop.
-BATCHED_MIN_REQUESTS = 3
+BATCHED_MAX_QUERY = 32
+MIN_GEMM_ROWS = 4
+KEY_ALIGN = 16
+MIN_KEYS = 384
+MIN_PROBLEMS = 2
 
 
 def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -31,14 +46,21 @@ def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> tor
 
 @dataclass(frozen=True)
 class BatchedPlan:
-    """Index tensors of one step's padded call: the same for every layer."""
+    """Index tensors of one step's padded call: the same for every layer.
+
+    R requests, each padded to Q query rows and L keys; G = query heads per KV head.
+    The matmuls run over R * num_kv_heads problems of Q * G rows each.
+    """
 
     reqs: set[int]  # scheduled-request indices served by the padded call
-    rows: torch.Tensor  # [R, Q] query row of each padded query (the last real one repeated)
-    slots: torch.Tensor  # [R, L] cache slot of each key position (position 0 past the end)
-    mask: torch.Tensor  # [R, 1, Q, L] causal and length mask
-    real_rows: torch.Tensor  # the real query rows, in the order of `real`
-    real: torch.Tensor  # [R, Q] which padded queries are real
+    shape: tuple[int, int, int, int]  # (R, Hkv, Q, G)
+    q_index: torch.Tensor  # [R*Hkv*Q*G] row of query.view(-1, D) (padding repeats a real row)
+    kv_index: torch.Tensor  # [R*Hkv*L] row of cache.view(-1, D) (position 0 past the end)
+    mask: torch.Tensor  # [R, 1, Q, 1, L] float32: 0 where the query sees the key, else -inf
+    out_index: torch.Tensor  # row of out.view(-1, D) of each real padded query row
+    real: torch.Tensor  # [R*Hkv*Q*G] bool: which padded query rows are real
+    # When every request is in the plan: the padded row of each out row, in order.
+    gather_out: torch.Tensor | None
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -50,7 +72,8 @@ class TorchPagedAttention(AttentionBackend):
         # The plan for the last metadata seen: every layer of a step shares it. Runners
         # build a fresh AttentionMetadata per pass and never change one, so identity
         # is the right key (the held reference keeps its id from being reused).
-        self._plan: tuple[AttentionMetadata, int, BatchedPlan | None, list[int]] | None = None
+        self._plan: tuple[AttentionMetadata, tuple[int, ...], BatchedPlan | None,
+                          list[int]] | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -59,20 +82,21 @@ class TorchPagedAttention(AttentionBackend):
         write_kv(key[:num_tokens], value[:num_tokens], key_cache, value_cache,
                  meta.slot_mapping[:num_tokens])
         out = torch.empty_like(query[:num_tokens])
-        plan, alone = self._split(meta, key_cache.shape[1])
+        shape = (key_cache.shape[1], query.shape[1], key_cache.shape[2])
+        plan, alone = self._split(meta, shape)
         if plan is not None:
-            _attend_batched(query, key_cache, value_cache, plan, scale, out)
+            out = _attend_batched(query, key_cache, value_cache, plan, scale, out)
         for i in alone:
             _attend_one(query, key_cache, value_cache, meta, scale, i, out)
         return out
 
-    def _split(self, meta: AttentionMetadata, block_size: int
+    def _split(self, meta: AttentionMetadata, shape: tuple[int, int, int]
                ) -> tuple[BatchedPlan | None, list[int]]:
         """The padded call's plan and the requests that run one call each."""
-        if self._plan is None or self._plan[0] is not meta or self._plan[1] != block_size:
-            plan = plan_batched(meta, block_size)
+        if self._plan is None or self._plan[0] is not meta or self._plan[1] != shape:
+            plan = plan_batched(meta, *shape)
             alone = [i for i in range(meta.num_reqs) if plan is None or i not in plan.reqs]
-            self._plan = (meta, block_size, plan, alone)
+            self._plan = (meta, shape, plan, alone)
         return self._plan[2], self._plan[3]
 
 
@@ -96,8 +120,9 @@ def _attend_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     out[q_start:q_end] = attn.transpose(0, 1)
 
 
-def plan_batched(meta: AttentionMetadata, block_size: int) -> BatchedPlan | None:
-    """The padded call for this step's short queries, or None when there are too few.
+def plan_batched(meta: AttentionMetadata, block_size: int, num_heads: int,
+                 num_kv_heads: int) -> BatchedPlan | None:
+    """The padded call for this step's short queries, or None when there are none.
 
     Padding query rows repeat the request's last row (their output is dropped), and
     padding key slots point at the request's position 0 (always masked), so nothing
@@ -106,34 +131,68 @@ def plan_batched(meta: AttentionMetadata, block_size: int) -> BatchedPlan | None
     starts_cpu = meta.query_start_loc_cpu
     reqs = [i for i in range(meta.num_reqs)
             if starts_cpu[i + 1] - starts_cpu[i] <= BATCHED_MAX_QUERY]
-    if len(reqs) < BATCHED_MIN_REQUESTS:
+    if not reqs:
         return None
+    group = num_heads // num_kv_heads
     device = meta.query_start_loc.device
-    index = torch.tensor(reqs, dtype=torch.long, device=device)
+    # Too few matmuls: repeat the first request (its copies' rows are dropped).
+    copies = max(0, -(-MIN_PROBLEMS // num_kv_heads) - len(reqs))
+    index = torch.tensor(reqs + [reqs[0]] * copies, dtype=torch.long, device=device)
     starts = meta.query_start_loc[index].long()
     num_q = meta.query_start_loc[index + 1].long() - starts
     seq_lens = meta.seq_lens[index].long()
-    max_q = max(starts_cpu[i + 1] - starts_cpu[i] for i in reqs)
+    max_q = max(max(starts_cpu[i + 1] - starts_cpu[i] for i in reqs),
+                -(-MIN_GEMM_ROWS // group))
     max_len = max(meta.seq_lens_cpu[i] for i in reqs)
+    max_len = max(-(-max_len // KEY_ALIGN) * KEY_ALIGN, MIN_KEYS)
     j = torch.arange(max_q, device=device)
     last = torch.minimum(j[None, :], num_q[:, None] - 1)  # [R, Q]
     rows = starts[:, None] + last
     t = torch.arange(max_len, device=device)
     t_in = torch.where(t[None, :] < seq_lens[:, None], t[None, :], 0)  # [R, L]
     blocks = meta.block_table[index[:, None], t_in // block_size].long()
-    q_pos = seq_lens[:, None] - num_q[:, None] + last
-    real = j[None, :] < num_q[:, None]
-    return BatchedPlan(set(reqs), rows, blocks * block_size + t_in % block_size,
-                       (t[None, None, :] <= q_pos[:, :, None])[:, None], rows[real], real)
+    q_pos = seq_lens[:, None] - num_q[:, None] + last  # [R, Q]
+    seen = t[None, None, :] <= q_pos[:, :, None]  # [R, Q, L]
+    mask = torch.zeros(seen.shape, dtype=torch.float32, device=device)
+    mask.masked_fill_(~seen, float("-inf"))
+    slots = blocks * block_size + t_in % block_size  # [R, L]
+    kv_heads = torch.arange(num_kv_heads, device=device)
+    heads = kv_heads[:, None] * group + torch.arange(group, device=device)[None, :]  # [Hkv, G]
+    shape = (len(index), num_kv_heads, max_q, group)
+    q_index = (rows[:, None, :, None] * num_heads + heads[None, :, None, :]).expand(shape)
+    real_q = (j[None, :] < num_q[:, None]) & (torch.arange(len(index), device=device)
+                                              < len(reqs))[:, None]
+    real = real_q[:, None, :, None].expand(shape).reshape(-1)
+    out_index = q_index.reshape(-1)[real]
+    gather_out = None
+    if len(reqs) == meta.num_reqs:
+        gather_out = torch.empty_like(out_index)
+        gather_out[out_index] = torch.nonzero(real).flatten()
+    return BatchedPlan(set(reqs), shape, q_index.reshape(-1),
+                       (slots[:, None, :] * num_kv_heads + kv_heads[None, :, None]).reshape(-1),
+                       mask[:, None, :, None, :], out_index, real, gather_out)
 
 
 def _attend_batched(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    plan: BatchedPlan, scale: float, out: torch.Tensor) -> None:
-    """The plan's requests in one call, each padded to the longest query and sequence."""
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    k = key_cache.view(-1, num_kv_heads, head_dim)[plan.slots].transpose(1, 2)  # [R, Hk, L, D]
-    v = value_cache.view(-1, num_kv_heads, head_dim)[plan.slots].transpose(1, 2)
-    q = query[plan.rows].transpose(1, 2)  # [R, H, Q, D]
-    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale,
-                                          enable_gqa=True).transpose(1, 2)  # [R, Q, H, D]
-    out[plan.real_rows] = attn[plan.real]
+                    plan: BatchedPlan, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """The plan's requests in one pair of float32 batched matmuls; returns `out`, or a
+    new tensor in its place when the plan covers every row."""
+    num_reqs, num_kv_heads, max_q, group = plan.shape
+    head_dim = key_cache.shape[-1]
+    problems = num_reqs * num_kv_heads
+    q = query.reshape(-1, head_dim).index_select(0, plan.q_index)
+    k = key_cache.view(-1, head_dim).index_select(0, plan.kv_index)
+    v = value_cache.view(-1, head_dim).index_select(0, plan.kv_index)
+    if q.dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
+    k = k.view(problems, -1, head_dim)
+    num_keys = k.shape[1]
+    scores = torch.bmm(q.view(problems, max_q * group, head_dim), k.transpose(1, 2))
+    scores = torch.add(plan.mask, scores.view(num_reqs, num_kv_heads, max_q, group, num_keys),
+                       alpha=scale)
+    probs = torch.softmax(scores.view(problems, max_q * group, num_keys), dim=-1)
+    attn = torch.bmm(probs, v.view(problems, num_keys, head_dim)).view(-1, head_dim)
+    if plan.gather_out is not None:
+        return attn.index_select(0, plan.gather_out).view(out.shape).to(out.dtype)
+    out.view(-1, head_dim).index_copy_(0, plan.out_index, attn[plan.real].to(out.dtype))
+    return out
