@@ -7,6 +7,8 @@ In one run, on the default model:
    through the model and attention backend the runner serves with (linear layers packed
    for the row-invariant kernel runner/models/linear.py picks). The ratio to M = 1 is
    what verifying M - 1 drafts costs against a decode step.
+   **Quality**: each other dtype's top-1 agreement with float32 and its largest logit
+   error, teacher-forced on held-out text (standard-library files training never sees).
 2. **Batch-1 decode**, `LLM(dtype=...)` greedy on chat prompts, output tokens/s per
    request (prefill included), for each dtype; and ngram K = 4 on input-grounded
    prompts (edit / rewrite, where lookup finds drafts) against speculation off in the
@@ -98,6 +100,51 @@ def rows_sweep(dtype: str, rows: tuple[int, ...], context: int, reps: int) -> di
             "kernel": kernel, "context": context,
             "ms": {str(m): round(v, 2) for m, v in median.items()},
             "ratio_to_1": {str(m): round(v / median[rows[0]], 3) for m, v in median.items()}}
+
+
+# ---- quality against float32 -----------------------------------------------------------
+
+def _teacher_forced_logits(model: LlamaForCausalLM, windows: torch.Tensor) -> torch.Tensor:
+    """[N * T, vocab] fp32 logits of every position, each window its own prefill."""
+    cfg, dtype = model.config, model.lm_head.weight.dtype
+    length, block = windows.shape[1], 16
+    blocks = -(-length // block)
+    shape = (blocks, block, cfg.num_key_value_heads, cfg.head_dim)
+    kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+          for _ in range(cfg.num_hidden_layers)]
+    table = torch.arange(blocks, dtype=torch.int32)[None]
+    pos = torch.arange(length)
+    meta = AttentionMetadata(length, 1, torch.tensor([0, length], dtype=torch.int32),
+                             torch.tensor([length], dtype=torch.int32), table, pos, length,
+                             length, [0, length], [length])
+    attn = get_attention_backend("torch")
+    with torch.inference_mode():
+        return torch.cat([model.compute_logits(model(w, pos, kv, meta, attn))
+                          for w in windows])
+
+
+def quality(dtypes: list[str], num_windows: int, length: int) -> list[dict[str, Any]]:
+    """Top-1 agreement with float32 and the logits' largest error, teacher-forced on
+    held-out text (standard-library files training never sees)."""
+    from engine.tokenizer import Tokenizer
+    from training.data import code_windows
+
+    path = resolve_model(None)
+    windows = code_windows(Tokenizer.from_dir(path), length, num_windows, "eval")
+    reference = _teacher_forced_logits(
+        pack_for_inference(load_model(path, torch.float32), "cpu"), windows)
+    rows = []
+    for dtype in dtypes:
+        torch_dtype = RunnerConfig(dtype=dtype).torch_dtype
+        if torch_dtype == torch.float32:
+            continue
+        logits = _teacher_forced_logits(
+            pack_for_inference(load_model(path, torch_dtype), "cpu"), windows)
+        agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+        rows.append({"dtype": str(torch_dtype).removeprefix("torch."),
+                     "positions": reference.shape[0], "top1_agreement": round(agree, 4),
+                     "max_abs_logit_error": round((logits - reference).abs().max().item(), 4)})
+    return rows
 
 
 # ---- 4. baseline ------------------------------------------------------------------
@@ -209,6 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {"benchmark": "cpu_forward", "quick": args.quick,
                               "threads": torch.get_num_threads()}
     report["rows"] = [rows_sweep(d, rows, context, reps) for d in dtypes]
+    report["quality"] = quality(dtypes, *((1, 16) if args.quick else (8, 128)))
     report["engine"] = [engine_measures(d, max_tokens, batch, args.quick)
                         for d in args.engine_dtypes.split(",")]
     if args.baseline:
@@ -220,6 +268,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plot(report, path.with_suffix(".png"))
     for sweep in report["rows"]:
         print(f"{sweep['dtype']:>9} {sweep['kernel']:<26} ms by rows {sweep['ms']}")
+    for q in report["quality"]:
+        print(f"{q['dtype']} vs float32: top-1 {q['top1_agreement']:.2%}, "
+              f"max logit error {q['max_abs_logit_error']}")
     for m in report["engine"] + [report.get("baseline", {})]:
         if m:
             print({k: v for k, v in m.items()})

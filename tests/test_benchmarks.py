@@ -138,3 +138,43 @@ def test_serve_dp_front_end_cost_reads_the_lowest_concurrency() -> None:
     cost = front_end_cost(series)
     assert cost["added_ttft_ms_p50"] == 4 and cost["added_itl_ms_p50"] == 0.5
     assert cost["throughput_ratio_n2_over_one_engine"] == [0.8, 1.1]
+
+
+def test_cpu_forward_quick(tmp_path: Path) -> None:
+    """Rows per pass, quality against float32, the engine's figures and the llama.cpp
+    row (skipped, and said so, without its venv); against HEAD as the baseline."""
+    from benchmarks import cpu_forward
+
+    report = cpu_forward.main(["--quick", "--dtypes", "auto,bfloat16", "--baseline", "HEAD",
+                               "--llamacpp-python", str(tmp_path / "none"),
+                               "--out", str(tmp_path / "c.json")])
+    assert (tmp_path / "c.png").exists()
+    assert [s["requested"] for s in report["rows"]] == ["auto", "bfloat16"]
+    assert all(s["ratio_to_1"]["1"] == 1.0 for s in report["rows"])
+    assert [q["dtype"] for q in report["quality"]] == ["bfloat16"]
+    assert 0.5 < report["quality"][0]["top1_agreement"] <= 1.0
+    (engine,) = report["engine"]
+    assert engine["grounded_ngram_equal_to_off"] and engine["decode_tok_s"] > 0
+    assert report["baseline"]["rev"] == "HEAD" and report["baseline"]["decode_tok_s"] > 0
+    assert "not found" in report["llamacpp"]["skipped"]
+
+
+def test_greedy_equality_quick(tmp_path: Path) -> None:
+    from benchmarks import greedy_equality
+
+    report = greedy_equality.main(["--quick", "--methods", "ngram,eagle",
+                                   "--out", str(tmp_path / "g.json")])
+    rows = report["results"]
+    assert [(r["method"], r["concurrency"]) for r in rows] == [
+        ("ngram", 1), ("ngram", 16), ("eagle", 1), ("eagle", 16)]
+    assert all(r["equal"] == r["requests"] == 3 and r["match"] == 1.0 for r in rows)
+    assert rows[2]["drafter"] in ("random", "default")
+
+
+def test_greedy_equality_reports_where_outputs_diverge() -> None:
+    from benchmarks.greedy_equality import compare
+
+    report = compare([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 9], [6, 7]])
+    assert report["equal"] == 1 and report["match"] == 0.3333
+    assert report["divergences"] == [{"prompt": 1, "first_differing_token": 1},
+                                     {"prompt": 2, "first_differing_token": 1}]
