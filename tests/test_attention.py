@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.attention import AttentionBackend, AttentionMetadata, get_attention_backend
-from runner.attention import torch_paged
+from runner.attention import AttentionBackend, AttentionMetadata, get_attention_backend, torch_paged
 from runner.attention.torch_paged import TorchPagedAttention
 
 # A decode, a fresh prefill, a chunk continuing after a 9-token cached prefix
@@ -189,8 +188,9 @@ class RowProbe:
         lens = [first + n for _, first, n in reqs]
         meta = AttentionMetadata(
             len(positions), len(reqs), torch.tensor(starts, dtype=torch.int32),
-            torch.tensor(lens, dtype=torch.int32), torch.stack([self.tables[r] for r, _, _ in reqs]),
-            slots, max(n for *_, n in reqs), max(lens), starts, lens)
+            torch.tensor(lens, dtype=torch.int32),
+            torch.stack([self.tables[r] for r, _, _ in reqs]), slots,
+            max(n for *_, n in reqs), max(lens), starts, lens)
         query = torch.stack([self.queries[r, p] for r, p in positions])
         key = self.key_cache.view(-1, 3, 64)[slots].clone()
         value = self.value_cache.view(-1, 3, 64)[slots].clone()
