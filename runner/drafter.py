@@ -92,12 +92,12 @@ def _make_net(spec: SpeculativeConfig, target: LlamaForCausalLM,
         return DraftLM(target)  # the default model drafts for itself: shared weights
     weight = target.lm_head.weight
     draft = load_model(resolve_model(spec.model), weight.dtype, weight.device)
-    if target.kernel_choice is not None:
-        draft.pack(target.kernel_choice)
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"draft model {spec.model!r} has vocab_size "
                          f"{draft.config.vocab_size}, the target {target.config.vocab_size}: "
                          "a draft must share the target's tokenizer")
+    if target.kernel_choice is not None:
+        draft.pack(target.kernel_choice)  # only once the draft is accepted
     return DraftLM(draft)
 
 
