@@ -24,7 +24,7 @@ In one run, on the default model:
 Timings on a shared machine are noisy: read ratios within one run.
 
     python benchmarks/cpu_forward.py [--quick] [--baseline REV]
-        [--dtypes auto,float32,bfloat16] [--engine-dtypes auto]
+        [--dtypes auto,float32,bfloat16,int8] [--engine-dtypes auto,int8]
 """
 
 from __future__ import annotations
@@ -86,9 +86,21 @@ def _pass_timer(model: LlamaForCausalLM, context: int, block: int = 16):  # type
     return lambda rows: run(context, rows)
 
 
-def rows_sweep(dtype: str, rows: tuple[int, ...], context: int, reps: int) -> dict[str, Any]:
-    torch_dtype = RunnerConfig(dtype=dtype).torch_dtype
-    model = pack_for_inference(load_model(resolve_model(None), torch_dtype), "cpu")
+def variant(name: str) -> tuple[str, str | None]:
+    """A sweep entry as (dtype, quantization): a dtype, or "int8" (int8 weights)."""
+    return ("auto", "int8") if name == "int8" else (name, None)
+
+
+def _packed_model(name: str) -> LlamaForCausalLM:
+    dtype, quantization = variant(name)
+    config = RunnerConfig(dtype=dtype, quantization=quantization)
+    return pack_for_inference(load_model(resolve_model(None), config.torch_dtype), "cpu",
+                              quantization)
+
+
+def rows_sweep(name: str, rows: tuple[int, ...], context: int, reps: int) -> dict[str, Any]:
+    model = _packed_model(name)
+    torch_dtype = model.lm_head.weight.dtype
     timer = _pass_timer(model, context)
     ms: dict[int, list[float]] = {m: [] for m in rows}
     for _ in range(reps):  # rounds over every M, so drift hits every M alike
@@ -96,7 +108,7 @@ def rows_sweep(dtype: str, rows: tuple[int, ...], context: int, reps: int) -> di
             ms[m].append(1e3 * timer(m))
     median = {m: statistics.median(v) for m, v in ms.items()}
     kernel = model.kernel_choice.description if model.kernel_choice else "unpacked"
-    return {"dtype": str(torch_dtype).removeprefix("torch."), "requested": dtype,
+    return {"dtype": str(torch_dtype).removeprefix("torch."), "requested": name,
             "kernel": kernel, "context": context,
             "ms": {str(m): round(v, 2) for m, v in median.items()},
             "ratio_to_1": {str(m): round(v / median[rows[0]], 3) for m, v in median.items()}}
@@ -123,9 +135,9 @@ def _teacher_forced_logits(model: LlamaForCausalLM, windows: torch.Tensor) -> to
                           for w in windows])
 
 
-def quality(dtypes: list[str], num_windows: int, length: int) -> list[dict[str, Any]]:
-    """Top-1 agreement with float32 and the logits' largest error, teacher-forced on
-    held-out text (standard-library files training never sees)."""
+def quality(names: list[str], num_windows: int, length: int) -> list[dict[str, Any]]:
+    """Top-1 agreement with float32 weights and the logits' largest error, teacher-forced
+    on held-out text (standard-library files training never sees)."""
     from engine.tokenizer import Tokenizer
     from training.data import code_windows
 
@@ -134,14 +146,17 @@ def quality(dtypes: list[str], num_windows: int, length: int) -> list[dict[str, 
     reference = _teacher_forced_logits(
         pack_for_inference(load_model(path, torch.float32), "cpu"), windows)
     rows = []
-    for dtype in dtypes:
-        torch_dtype = RunnerConfig(dtype=dtype).torch_dtype
-        if torch_dtype == torch.float32:
-            continue
-        logits = _teacher_forced_logits(
-            pack_for_inference(load_model(path, torch_dtype), "cpu"), windows)
+    for name in names:
+        model = _packed_model(name)
+        if model.kernel_choice is not None and model.kernel_choice.kernel.quantization:
+            label = model.kernel_choice.kernel.quantization
+        elif model.lm_head.weight.dtype != torch.float32:
+            label = str(model.lm_head.weight.dtype).removeprefix("torch.")
+        else:
+            continue  # float32 weights: the reference itself
+        logits = _teacher_forced_logits(model, windows)
         agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
-        rows.append({"dtype": str(torch_dtype).removeprefix("torch."),
+        rows.append({"dtype": label,
                      "positions": reference.shape[0], "top1_agreement": round(agree, 4),
                      "max_abs_logit_error": round((logits - reference).abs().max().item(), 4)})
     return rows
@@ -153,7 +168,7 @@ def quality(dtypes: list[str], num_windows: int, length: int) -> list[dict[str, 
 # the measuring script is this commit's (benchmarks/engine_decode.py), the engine REV's.
 _BASELINE = ("import json, runpy, sys; sys.path.insert(0, '.'); import engine;"
              "m = runpy.run_path(sys.argv[1])['engine_measures']"
-             "('float32', int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == 'True');"
+             "('float32', None, int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == 'True');"
              "m['engine_file'] = engine.__file__; print(json.dumps(m))")
 
 
@@ -227,8 +242,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     left.legend(fontsize=8)
     bars: dict[str, float] = {}
     for m in report["engine"]:
-        bars[f"{m['dtype']} decode"] = m["decode_tok_s"]
-        bars[f"{m['dtype']} ngram grounded"] = m["grounded_ngram_tok_s"]
+        label = m["dtype"] + (f" {m['quantization']}" if m.get("quantization") else "")
+        bars[f"{label} decode"] = m["decode_tok_s"]
+        bars[f"{label} ngram grounded"] = m["grounded_ngram_tok_s"]
     if "baseline" in report:
         bars[f"baseline {report['baseline']['rev'][:8]} decode"] = \
             report["baseline"]["decode_tok_s"]
@@ -242,9 +258,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = bench_parser(__doc__, DEFAULT_OUT)
-    parser.add_argument("--dtypes", default="auto,float32,bfloat16",
-                        help="dtypes of the rows-per-pass sweep")
-    parser.add_argument("--engine-dtypes", default="auto",
+    parser.add_argument("--dtypes", default="auto,float32,bfloat16,int8",
+                        help="dtypes of the rows-per-pass sweep; int8: int8 weights")
+    parser.add_argument("--engine-dtypes", default="auto,int8",
                         help="dtypes measured through the engine (decode, ngram, batch)")
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="also measure the project at REV (a git worktree)")
@@ -257,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "threads": torch.get_num_threads()}
     report["rows"] = [rows_sweep(d, rows, context, reps) for d in dtypes]
     report["quality"] = quality(dtypes, *((1, 16) if args.quick else (8, 128)))
-    report["engine"] = [engine_measures(d, max_tokens, batch, args.quick)
+    report["engine"] = [engine_measures(*variant(d), max_tokens, batch, args.quick)
                         for d in args.engine_dtypes.split(",")]
     if args.baseline:
         report["baseline"] = baseline_measures(args.baseline, max_tokens, batch, args.quick)

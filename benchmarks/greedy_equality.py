@@ -12,6 +12,7 @@ default model drafting for itself (every draft accepted).
 
     python benchmarks/greedy_equality.py [--quick] [--prompts 50] [--max-tokens 128]
         [--methods ngram,suffix,...] [--concurrency 1,16] [--dtype auto]
+        [--quantization none|int8]
 """
 
 from __future__ import annotations
@@ -83,12 +84,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none", choices=("none", "int8"))
     args = parser.parse_args(argv)
     count, max_tokens = (3, 8) if args.quick else (args.prompts, args.max_tokens)
     texts = prompts(count)
     levels = [int(c) for c in args.concurrency.split(",")]
     engine_args = {"dtype": args.dtype, "max_num_seqs": max(levels),
-                   "kv_cache_memory_bytes": 1 << 30}
+                   "kv_cache_memory_bytes": 1 << 30,
+                   "quantization": None if args.quantization == "none" else args.quantization}
     off = LLM(**engine_args)
     runner = off.engine.runner
     report: dict[str, Any] = {

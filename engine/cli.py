@@ -104,6 +104,9 @@ def _add_engine_args(parser: argparse.ArgumentParser, spec_default: str | None) 
                         choices=("auto", "float32", "float16", "bfloat16"),
                         help="auto (default): bfloat16 on CUDA and on CPUs with native bf16 "
                         "(avx512_bf16 or amx_bf16), float32 elsewhere")
+    parser.add_argument("--quantization", default="none", choices=("none", "int8"),
+                        help="int8: int8 weights with per-row int8 activations (CPU, "
+                        "fbgemm), float32 in and out; none (default): weights in --dtype")
 
 
 def _add_serve_parser(sub: Any) -> None:
@@ -202,6 +205,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
         enable_prefix_caching=args.enable_prefix_caching, policy=args.scheduling_policy,
         device=args.device, dtype=args.dtype,
+        quantization=None if args.quantization == "none" else args.quantization,
         speculative_config=SpeculativeConfig.from_dict(spec_dict))
 
 

@@ -28,6 +28,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     attention_backend: str = "auto"
+    quantization: str | None = None
     speculative_config: SpeculativeConfig | None = None
 
     def scheduler_config(self) -> SchedulerConfig:
@@ -36,4 +37,4 @@ class EngineConfig:
 
     def runner_config(self) -> RunnerConfig:
         return RunnerConfig(self.model, self.device, self.dtype, self.attention_backend,
-                            self.kv_cache_memory_bytes)
+                            self.kv_cache_memory_bytes, self.quantization)

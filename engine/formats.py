@@ -133,6 +133,7 @@ class ModelCard(BaseModel):
     owned_by: str = "specbudget"
     max_model_len: int
     dtype: str  # what the weights and activations run in ("auto" resolved)
+    quantization: str | None = None  # "int8": weights in int8, activations in dtype
 
 
 class ModelList(BaseModel):

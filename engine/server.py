@@ -282,7 +282,8 @@ def build_app(engine: ServingEngine, served_model_name: str,
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = ModelCard(id=served_model_name, max_model_len=engine.config.max_model_len,
-                         dtype=engine.config.runner_config().dtype_choice.dtype)
+                         dtype=engine.config.runner_config().dtype_choice.dtype,
+                         quantization=engine.config.quantization)
         return ModelList(data=[card]).model_dump()
 
     @app.get("/health")

@@ -19,6 +19,8 @@ class RunnerConfig:
     `attention_backend`: "torch", "triton", or "auto" (triton on CUDA, torch elsewhere).
     `dtype`: "auto" (bfloat16 where the hardware computes it natively, else float32;
     runner/dtype.py), or one of DTYPES.
+    `quantization`: None, or "int8" (CPU: int8 weights, per-row int8 activations,
+    float32 in and out; runner/models/linear_int8.py).
     """
 
     model: str | None = None
@@ -26,6 +28,7 @@ class RunnerConfig:
     dtype: str = "auto"
     attention_backend: str = "auto"
     kv_cache_memory_bytes: int = 256 << 20
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -34,6 +37,15 @@ class RunnerConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("RunnerConfig.attention_backend must be auto, torch or triton, "
                              f"got {self.attention_backend!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError("RunnerConfig.quantization must be None or int8, got "
+                             f"{self.quantization!r}")
+        if self.quantization == "int8" and not self.device.startswith("cpu"):
+            raise ValueError("RunnerConfig.quantization=int8 runs on the CPU only (fbgemm), "
+                             f"got device {self.device!r}")
+        if self.quantization == "int8" and self.dtype not in ("auto", "float32"):
+            raise ValueError("RunnerConfig.quantization=int8 takes float32 activations: "
+                             f"dtype must be auto or float32, got {self.dtype!r}")
         if self.kv_cache_memory_bytes <= 0:
             raise ValueError("RunnerConfig.kv_cache_memory_bytes must be > 0, got "
                              f"{self.kv_cache_memory_bytes}")
@@ -41,6 +53,8 @@ class RunnerConfig:
     @property
     def dtype_choice(self) -> DtypeChoice:
         """The dtype this run uses ("auto" resolved) and why."""
+        if self.quantization == "int8" and self.dtype == "auto":
+            return DtypeChoice("float32", "auto: int8 weights take float32 activations")
         return resolve_dtype(self.dtype, self.device)
 
     @property

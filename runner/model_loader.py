@@ -49,12 +49,18 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     return model.eval()
 
 
-def pack_for_inference(model: LlamaForCausalLM, device: str | torch.device) -> LlamaForCausalLM:
+def pack_for_inference(model: LlamaForCausalLM, device: str | torch.device,
+                       quantization: str | None = None) -> LlamaForCausalLM:
     """Pack the model's linear layers for the fastest row-invariant kernel here
-    (runner/models/linear.py); a model already packed keeps its kernel."""
-    from runner.models.linear import select_linear_kernel
+    (runner/models/kernel_select.py); a model already packed keeps its kernel, and must
+    have been packed for the same quantization (it may be shared with another engine)."""
+    from runner.models.kernel_select import select_linear_kernel
 
     if model.kernel_choice is None:
         model.pack(select_linear_kernel(model.lm_head.weight.dtype, device,
-                                        model.config.hidden_size))
+                                        model.config.hidden_size, quantization))
+    elif model.kernel_choice.kernel.quantization != quantization:
+        raise ValueError(f"the loaded model is packed for quantization="
+                         f"{model.kernel_choice.kernel.quantization}, this engine asks for "
+                         f"quantization={quantization}: give it a model of its own")
     return model

@@ -55,7 +55,7 @@ class ModelRunner:
         self.model_path = resolve_model(config.model)
         if model is None:
             model = load_model(self.model_path, config.torch_dtype, self.device)
-        self.model = pack_for_inference(model, self.device)
+        self.model = pack_for_inference(model, self.device, config.quantization)
         self.model_config = model.config
         self.attn = get_attention_backend(config.backend_name)
         self.sampler = Sampler()

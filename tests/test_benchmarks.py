@@ -145,15 +145,18 @@ def test_cpu_forward_quick(tmp_path: Path) -> None:
     row (skipped, and said so, without its venv); against HEAD as the baseline."""
     from benchmarks import cpu_forward
 
-    report = cpu_forward.main(["--quick", "--dtypes", "auto,bfloat16", "--baseline", "HEAD",
+    report = cpu_forward.main(["--quick", "--dtypes", "float32,bfloat16,int8",
+                               "--engine-dtypes", "int8", "--baseline", "HEAD",
                                "--llamacpp-python", str(tmp_path / "none"),
                                "--out", str(tmp_path / "c.json")])
     assert (tmp_path / "c.png").exists()
-    assert [s["requested"] for s in report["rows"]] == ["auto", "bfloat16"]
+    assert [s["requested"] for s in report["rows"]] == ["float32", "bfloat16", "int8"]
+    assert report["rows"][2]["kernel"] == "fbgemm-int8 (row-invariant)"
     assert all(s["ratio_to_1"]["1"] == 1.0 for s in report["rows"])
-    assert [q["dtype"] for q in report["quality"]] == ["bfloat16"]
-    assert 0.5 < report["quality"][0]["top1_agreement"] <= 1.0
+    assert [q["dtype"] for q in report["quality"]] == ["bfloat16", "int8"]
+    assert all(0.5 < q["top1_agreement"] <= 1.0 for q in report["quality"])
     (engine,) = report["engine"]
+    assert engine["quantization"] == "int8"
     assert engine["grounded_ngram_equal_to_off"] and engine["decode_tok_s"] > 0
     assert report["baseline"]["rev"] == "HEAD" and report["baseline"]["decode_tok_s"] > 0
     assert "not found" in report["llamacpp"]["skipped"]

@@ -51,3 +51,19 @@ def test_unknown_dtype_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"RunnerConfig\.dtype must be auto or one of "
                                          r"float32, float16, bfloat16, got 'int4'"):
         RunnerConfig(dtype="int4")
+
+
+def test_int8_quantization_config() -> None:
+    """int8 runs float32 activations on the CPU; what cannot run is refused by name."""
+    config = RunnerConfig(quantization="int8")
+    assert config.torch_dtype == torch.float32
+    assert "int8 weights take float32 activations" in config.dtype_choice.reason
+    assert EngineConfig(quantization="int8").runner_config().quantization == "int8"
+    assert cli._parser().parse_args(["serve", "--quantization", "int8"]).quantization == "int8"
+    with pytest.raises(ValueError, match=r"RunnerConfig\.quantization must be None or int8, "
+                                         "got 'int4'"):
+        RunnerConfig(quantization="int4")
+    with pytest.raises(ValueError, match="dtype must be auto or float32, got 'bfloat16'"):
+        RunnerConfig(dtype="bfloat16", quantization="int8")
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        RunnerConfig(device="cuda", quantization="int8")

@@ -20,7 +20,7 @@ from engine.tokenizer import Tokenizer
 from runner.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from runner.model_loader import load_model
 from runner.model_prep import resolve_model
-from runner.models.linear import select_linear_kernel
+from runner.models.kernel_select import select_linear_kernel
 from runner.models.llama import LlamaForCausalLM
 
 BLOCK = 16
@@ -84,13 +84,16 @@ class RowCountLeaks(AttentionBackend):
         return torch.nextafter(out, out + 1) if meta.max_query_len > 1 else out
 
 
-@pytest.fixture(scope="module", params=["auto", "bfloat16"])
+@pytest.fixture(scope="module", params=["auto", "bfloat16", "int8"])
 def model(request: pytest.FixtureRequest) -> Iterator[LlamaForCausalLM]:
     from runner.config import RunnerConfig
 
-    dtype = RunnerConfig(dtype=request.param).torch_dtype
-    loaded = load_model(resolve_model(None), dtype)
-    loaded.pack(select_linear_kernel(dtype, "cpu", loaded.config.hidden_size))
+    quantization = "int8" if request.param == "int8" else None
+    config = RunnerConfig(dtype="auto" if quantization else request.param,
+                          quantization=quantization)
+    loaded = load_model(resolve_model(None), config.torch_dtype)
+    loaded.pack(select_linear_kernel(config.torch_dtype, "cpu", loaded.config.hidden_size,
+                                     quantization))
     yield loaded
 
 

@@ -7,15 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runner.models import linear
+from runner.models import kernel_select, linear_int8
+from runner.models.kernel_select import select_linear_kernel
 from runner.models.linear import (
     LinearKernel,
     OneDNNLinear,
     PackedLinear,
     TorchLinear,
     is_row_invariant,
-    select_linear_kernel,
 )
+from runner.models.linear_int8 import Int8DynamicLinear
 
 
 def _data(rows: int = 40, dtype: torch.dtype = torch.float32
@@ -77,12 +78,12 @@ def test_the_probe_catches_a_kernel_whose_rows_depend_on_the_call(
         monkeypatch: pytest.MonkeyPatch) -> None:
     assert not is_row_invariant(_RowCountLeaks(), torch.float32, in_features=64)
     # select_linear_kernel skips it for the next invariant candidate...
-    monkeypatch.setattr(linear, "_candidates",
-                        lambda dtype, device: [_RowCountLeaks(), OneDNNLinear(), TorchLinear()])
+    monkeypatch.setattr(kernel_select, "_candidates",
+                        lambda *_: [_RowCountLeaks(), OneDNNLinear(), TorchLinear()])
     choice = select_linear_kernel(torch.float32, "cpu", 64)
     assert choice.kernel.name == "onednn" and choice.row_invariant
     # ...and says so when no candidate is.
-    monkeypatch.setattr(linear, "_candidates", lambda dtype, device: [_RowCountLeaks()])
+    monkeypatch.setattr(kernel_select, "_candidates", lambda *_: [_RowCountLeaks()])
     choice = select_linear_kernel(torch.float32, "cpu", 64)
     assert choice.kernel.name == "leaky" and not choice.row_invariant
     assert "NOT row-invariant" in choice.description
@@ -95,6 +96,96 @@ def test_a_kernel_that_cannot_run_here_is_not_chosen(monkeypatch: pytest.MonkeyP
         def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
             raise RuntimeError("needs avx512")
 
-    monkeypatch.setattr(linear, "_candidates",
-                        lambda dtype, device: [Refuses(), OneDNNLinear(), TorchLinear()])
+    monkeypatch.setattr(kernel_select, "_candidates",
+                        lambda *_: [Refuses(), OneDNNLinear(), TorchLinear()])
     assert select_linear_kernel(torch.float32, "cpu", 64).kernel.name == "onednn"
+
+
+# ---- int8 -----------------------------------------------------------------------------
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got - expected).norm() / expected.norm()).item()
+
+
+def _weight_only_int8(weight: torch.Tensor) -> torch.Tensor:
+    scale = weight.abs().amax(1, keepdim=True) / 127
+    return (weight / scale).round() * scale
+
+
+def test_int8_kernel_error_is_the_weights_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an outlier channel in the activations, the kernel is as accurate as int8
+    weights times exact activations; without the remainder row it is not."""
+    weight, bias, x, residual = _data()
+    x[:, 5] *= 30
+    expected = F.linear(x, weight, bias)
+    floor = _relative_error(F.linear(x, _weight_only_int8(weight), bias), expected)
+    packed = Int8DynamicLinear().pack(weight, bias)
+    assert _relative_error(packed(x), expected) < 1.05 * floor
+    assert _relative_error(packed.add(x, residual), residual + expected) < 1.05 * floor
+    assert packed.out_features == 96
+    monkeypatch.setattr(linear_int8, "_LOW_GAIN", 1e-30)  # broken: 7-bit activations
+    assert _relative_error(Int8DynamicLinear().pack(weight, bias)(x), expected) > 3 * floor
+
+
+def test_int8_kernel_rows_do_not_depend_on_the_call() -> None:
+    """Per-row scales and the pinned [-1, 1] range make the per-call activation scale a
+    constant: a row's bits are the same alone and in any pass, for every width the model
+    has (576: hidden, 1536: MLP, 1728: an EAGLE-3 head's fc)."""
+    for width in (576, 1536, 1728):
+        assert is_row_invariant(Int8DynamicLinear(), torch.float32, in_features=width)
+    weight, bias, x, residual = _data(rows=200)
+    x[3] *= 1000  # one loud row must not move the others
+    packed = Int8DynamicLinear().pack(weight, bias)
+    wide, wide_add = packed(x), packed.add(x, residual)
+    for rows in (1, 2, 5, 17, 64):
+        assert torch.equal(packed(x[:rows]), wide[:rows])
+        assert torch.equal(packed.add(x[:rows], residual[:rows]), wide_add[:rows])
+
+
+class _PerCallScale(LinearKernel):
+    """Broken on purpose: fbgemm's operator as it is, one activation scale per call."""
+
+    name = "per-call-scale"
+
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
+        inner = Int8DynamicLinear().pack(weight, bias)
+        assert hasattr(inner, "packed")
+
+        class PerCall(PackedLinear):
+            out_features = inner.out_features
+
+            def __call__(self, x: torch.Tensor) -> torch.Tensor:
+                padded = torch.cat([x, x.new_zeros(x.shape[0], 2)], dim=1)
+                return torch.ops.quantized.linear_dynamic(padded, inner.packed, True)
+
+            def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+                return residual + self(x)
+
+        return PerCall()
+
+
+def test_the_probe_catches_int8_with_one_activation_scale_per_call() -> None:
+    assert not is_row_invariant(_PerCallScale(), torch.float32, in_features=576)
+
+
+def test_int8_kernel_edge_rows() -> None:
+    weight, bias, x, residual = _data(rows=4)
+    packed = Int8DynamicLinear().pack(weight, bias)
+    x[1] = 0.0  # an all-zero row gives the bias, not NaN
+    assert torch.equal(packed(x)[1], bias)
+    x[2] = 1e30  # a huge row stays finite
+    assert torch.isfinite(packed(x)).all()
+    assert packed(x[:0]).shape == (0, 96)
+    assert torch.equal(packed.add(x[:0], residual[:0]), residual[:0])
+    with pytest.raises(TypeError, match="float32 activations"):
+        packed(x.bfloat16())
+
+
+def test_select_int8() -> None:
+    choice = select_linear_kernel(torch.float32, "cpu", 576, quantization="int8")
+    assert choice.kernel.name == "fbgemm-int8" and choice.row_invariant
+    assert choice.kernel.quantization == "int8"
+    with pytest.raises(ValueError, match="quantization must be None or one of"):
+        select_linear_kernel(torch.float32, "cpu", 576, quantization="int4")
+    with pytest.raises(ValueError, match="needs a CPU"):
+        select_linear_kernel(torch.float32, "cuda", 576, quantization="int8")

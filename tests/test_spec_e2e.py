@@ -86,6 +86,33 @@ def test_greedy_lossless_under_preemption(model: LlamaForCausalLM, method: str |
     assert tokens == baseline(model, 16)[:8]
 
 
+@pytest.fixture(scope="module")
+def model_int8() -> LlamaForCausalLM:
+    """Packed for int8 by the first engine built on it."""
+    return load_model(resolve_model(None), torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("concurrency", [1, 16])
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_lossless_int8(model_int8: LlamaForCausalLM, method: str,
+                              concurrency: int) -> None:
+    """int8 weights: speculation on equals speculation off in int8, token for token."""
+    key = (concurrency, "int8")
+    if key not in _baseline:
+        _baseline[key] = run(model_int8, None, PROMPTS[:concurrency], quantization="int8")[0]
+    tokens, _ = run(model_int8, method, PROMPTS[:concurrency], quantization="int8")
+    assert model_int8.kernel_choice is not None
+    assert model_int8.kernel_choice.kernel.name == "fbgemm-int8"
+    assert tokens == _baseline[key]
+
+
+def test_a_shared_model_packed_otherwise_is_refused(model: LlamaForCausalLM) -> None:
+    LLM(loaded_model=model)  # packs it in float32
+    with pytest.raises(ValueError, match="packed for quantization=None, this engine asks "
+                                         "for quantization=int8"):
+        LLM(loaded_model=model, quantization="int8")
+
+
 def test_self_draft_accepts_everything(model: LlamaForCausalLM) -> None:
     """draft_model with the target as its own draft: acceptance 1.0, length K + 1."""
     llm = LLM(loaded_model=model, speculative_config={"method": "draft_model",

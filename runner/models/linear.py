@@ -10,9 +10,9 @@ A kernel must also give a row the same bits whatever else shares the call: greed
 speculative decoding verifies k + 1 rows in a pass where plain decoding has one, and
 the two must choose the same tokens. `F.linear` in float32 does not (one to a few rows
 take a matrix-vector path that sums in another order); the packed oneDNN kernel does.
-`select_linear_kernel` checks that on this machine at start and keeps the first
-candidate that passes, so a machine whose libraries behave otherwise falls back
-instead of silently diverging.
+`select_linear_kernel` (runner/models/kernel_select.py) checks that on this machine at
+start and keeps the first candidate that passes, so a machine whose libraries behave
+otherwise falls back instead of silently diverging.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class PackedLinear(ABC):
 
 class LinearKernel(ABC):
     name: str = "?"
+    quantization: str | None = None  # None: weights in the model's dtype
 
     @abstractmethod
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
@@ -128,23 +129,3 @@ def is_row_invariant(kernel: LinearKernel, dtype: torch.dtype, in_features: int,
                    for m in _PROBE_ROWS)
     except (RuntimeError, NotImplementedError):
         return False  # the kernel does not run here at all
-
-
-def _candidates(dtype: torch.dtype, device: torch.device) -> list[LinearKernel]:
-    kernels: list[LinearKernel] = []
-    if device.type == "cpu" and torch.backends.mkldnn.is_available():
-        kernels.append(OneDNNLinear())
-    kernels.append(TorchLinear())
-    return kernels
-
-
-def select_linear_kernel(dtype: torch.dtype, device: torch.device | str,
-                         in_features: int) -> KernelChoice:
-    """The first candidate (fastest first) that is row-invariant here; plain
-    `F.linear` when none is."""
-    device = torch.device(device)
-    candidates = _candidates(dtype, device)
-    for kernel in candidates:
-        if is_row_invariant(kernel, dtype, in_features, device=str(device)):
-            return KernelChoice(kernel, True)
-    return KernelChoice(candidates[-1], False)
