@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from engine import protocol as P
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.output import OutputProcessor
@@ -72,21 +73,20 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
         params = sampling_params or SamplingParams()
-        items: list[str | list[int]] = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {params!r:.80}")
+        prepared = self._prepare(prompts)  # every prompt checked before any is queued
         if self.replicas is not None:
-            return asyncio.run(self._generate_on_replicas(self.replicas, items, params))
+            return asyncio.run(self._generate_on_replicas(self.replicas, prepared, params))
         outputs: dict[str, RequestOutput] = {}
         try:
-            for item in items:
-                text = item if isinstance(item, str) else None
-                ids = (self.tokenizer.encode(item) if isinstance(item, str)
-                       else [int(t) for t in item])
+            for text, ids in prepared:
                 rid = str(next(self._ids))
                 self.engine.add_request(Request(rid, ids, params,
                                                 eos_token_id=self.tokenizer.eos_token_id))
                 self.processor.add(rid, len(ids), params)
                 outputs[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None)])
-        except ValueError:
+        except BaseException:
             for rid in outputs:  # all or nothing: drop the prompts already queued
                 self.engine.abort_request(rid)
                 self.processor.drop(rid)
@@ -107,17 +107,38 @@ class LLM:
                         bar.update(1)
         return list(outputs.values())
 
+    def _prepare(self, prompts: Any) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) of each prompt, refused as the server refuses a request's
+        prompt (the same rules and words; booleans and numeric strings are not token ids),
+        as a ValueError naming the prompt's index."""
+        items = [prompts] if isinstance(prompts, str) else prompts
+        if not isinstance(items, (list, tuple)) or not items:
+            raise ValueError("prompts must be a non-empty string, or a non-empty list of "
+                             f"strings or token id lists; got {prompts!r:.80}")
+        limits = P.ServingLimits("", self.config.max_model_len, self.tokenizer.vocab_size)
+        prepared: list[tuple[str | None, list[int]]] = []
+        for i, item in enumerate(items):
+            if not isinstance(item, (str, list, tuple)):
+                raise ValueError(f"prompts[{i}] must be a string or a list of token ids, "
+                                 f"got {type(item).__name__} {item!r:.80}")
+            try:
+                checked = P.prompt_input(list(item) if isinstance(item, tuple) else item,
+                                         limits)
+            except P.APIError as err:
+                raise ValueError(f"prompts[{i}]: {err.message}") from None
+            if isinstance(checked, str):
+                prepared.append((checked, self.tokenizer.encode(checked)))
+            else:
+                prepared.append((None, checked))
+        return prepared
+
     async def _generate_on_replicas(self, replicas: DataParallelEngine,
-                                    items: list[str | list[int]],
+                                    prepared: list[tuple[str | None, list[int]]],
                                     params: SamplingParams) -> list[RequestOutput]:
         """Every prompt at once through the router; a refusal cancels the rest."""
-        outputs = []
-        for item in items:
-            ids = (self.tokenizer.encode(item) if isinstance(item, str)
-                   else [int(t) for t in item])
-            outputs.append(RequestOutput(str(next(self._ids)),
-                                         item if isinstance(item, str) else None, ids,
-                                         [CompletionOutput(0, "", [], None)]))
+        outputs = [RequestOutput(str(next(self._ids)), text, ids,
+                                 [CompletionOutput(0, "", [], None)])
+                   for text, ids in prepared]
 
         async def run(out: RequestOutput) -> None:
             completion = out.outputs[0]
@@ -149,8 +170,14 @@ class LLM:
         with the model's chat template."""
         conversations = (messages if messages and isinstance(messages[0], list)
                          else [messages])
-        prompts = [self.tokenizer.apply_chat_template(conv)  # type: ignore[arg-type]
-                   for conv in conversations]
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:  # the server's rules and words: roles, content, text parts
+                checked = P.chat_messages(conversation)
+            except P.APIError as err:
+                where = f"conversations[{i}]: " if len(conversations) > 1 else ""
+                raise ValueError(where + err.message) from None
+            prompts.append(self.tokenizer.apply_chat_template(checked))
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_metrics(self) -> dict[str, Any]:

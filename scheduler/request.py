@@ -40,6 +40,8 @@ class SamplingParams:
         # Integers are range-checked, never clamped: they end up in int64 arrays, where
         # an out-of-range value would raise inside an engine step (OverflowError) and
         # fail every request of that step instead of only this one.
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "True or False")
         _check_int(self, "max_tokens", 1, INT64_MAX)
         _check_int(self, "top_k", 0, INT64_MAX, " (0 = off)")
         _check_int(self, "min_tokens", 0, self.max_tokens, " (at most max_tokens)")
