@@ -9,6 +9,9 @@ from spec_decode.methods import SpecMethod, get_method, method_names
 
 METHODS = method_names()  # the methods shipped here; the registry may hold more
 DRAFT_POLICIES = ("fixed", "fit")
+# The top-level keys of a speculative_config dict; the rest are the method's options.
+_FIELDS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min",
+           "prompt_lookup_max", "draft_policy")
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,14 @@ class SpeculativeConfig:
     options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.method not in method_names():
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"SpeculativeConfig.{name} must be an integer, got "
+                                 f"{value!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"SpeculativeConfig.model must be a string, got {self.model!r}")
+        if not isinstance(self.method, str) or self.method not in method_names():
             raise ValueError(
                 f"SpeculativeConfig.method={self.method!r} is not supported; "
                 f"choose one of {', '.join(method_names())}"
@@ -68,14 +78,20 @@ class SpeculativeConfig:
         """Build from a vLLM-style `speculative_config` dict; None means off."""
         if spec is None:
             return None
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict or None, got {spec!r:.80}")
         if "method" not in spec or "num_speculative_tokens" not in spec:
             raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens' "
-                             f"(got keys {sorted(spec)})")
-        known = {"method", "num_speculative_tokens", "model", "prompt_lookup_min",
-                 "prompt_lookup_max", "draft_policy"}
-        kwargs = {key: value for key, value in spec.items() if key in known}
-        options = {key: value for key, value in spec.items() if key not in known}
-        return cls(**kwargs, options=options)
+                             f"(got keys {sorted(map(str, spec))})")
+        kwargs = {key: value for key, value in spec.items() if key in _FIELDS}
+        options = {key: value for key, value in spec.items() if key not in _FIELDS}
+        config = cls(**kwargs, options=options)
+        allowed = config.spec_method.option_names
+        unknown = sorted(str(key) for key in options if key not in allowed)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown} for method "
+                             f"{config.method!r}; known: {sorted(_FIELDS) + list(allowed)}")
+        return config
 
 
 def min_decode_rows(config: SpeculativeConfig) -> dict[str, int]:

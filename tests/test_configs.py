@@ -103,16 +103,50 @@ def test_from_dict_none_is_off() -> None:
 def test_from_dict_splits_known_fields_and_options() -> None:
     config = SpeculativeConfig.from_dict({
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
-        "prompt_lookup_max": 5, "model": None, "draft_tensor_parallel_size": 1,
-        "acceptance_threshold": 0.3,
+        "prompt_lookup_max": 5, "model": None, "max_window": 64,
     })
     assert config is not None
     assert config.method == "ngram"
     assert config.num_speculative_tokens == 3
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (2, 5)
-    assert config.options == {"draft_tensor_parallel_size": 1, "acceptance_threshold": 0.3}
+    assert config.options == {"max_window": 64}
     # Options take no part in equality: the same method and K are the same config.
     assert config == SpeculativeConfig("ngram", 3, prompt_lookup_min=2, prompt_lookup_max=5)
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"method": "ngram", "num_speculative_tokens": 3, "bogus": 1},
+     r"unknown keys \['bogus'\] for method 'ngram'; known: \[.*'max_window'\]"),
+    ({"method": "eagle", "num_speculative_tokens": 3, "max_window": 8},
+     r"unknown keys \['max_window'\] for method 'eagle'"),
+    ({"method": "ngram", "num_speculative_tokens": True},
+     r"num_speculative_tokens must be an integer, got True"),
+    ({"method": "ngram", "num_speculative_tokens": 3.5},
+     r"num_speculative_tokens must be an integer, got 3\.5"),
+    ({"method": "ngram", "num_speculative_tokens": "3"},
+     r"num_speculative_tokens must be an integer, got '3'"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2.0},
+     r"prompt_lookup_max must be an integer"),
+    ({"method": 7, "num_speculative_tokens": 3}, r"method=7 is not supported"),
+    ({"method": "draft_model", "num_speculative_tokens": 3, "model": 5},
+     r"model must be a string"),
+    (["ngram", 3], r"speculative_config must be a dict or None"),
+])
+def test_from_dict_refuses_wrong_types_and_unknown_keys(spec: object, message: str) -> None:
+    """Booleans are not integers, and a misspelt setting is never silently ignored."""
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.from_dict(spec)  # type: ignore[arg-type]
+
+
+def test_every_methods_own_options_are_accepted() -> None:
+    suffix = {"max_tree_depth": 8, "max_cached_requests": 3, "min_token_prob": 0.2,
+              "max_spec_factor": 1.5}
+    config = SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 3,
+                                          **suffix})
+    assert config is not None and config.options == suffix
+    for method in ("eagle", "mtp", "parallel", "dflash"):
+        assert SpeculativeConfig.from_dict({"method": method, "num_speculative_tokens": 2,
+                                            "seed": 3, "mask_token_id": 0}) is not None
 
 
 def test_from_dict_carries_model_name() -> None:

@@ -56,6 +56,9 @@ class SpecMethod:
     # After the first pass, k - 1 one-row steps per drafting request feed each new
     # draft back. Never charged: one row never exceeds the n >= 1 of the first pass.
     sequential: ClassVar[bool] = False
+    # The `SpeculativeConfig.options` keys this method's proposer or drafter reads;
+    # any other key is refused, so a misspelt setting is never silently ignored.
+    option_names: ClassVar[tuple[str, ...]] = ()
 
     @property
     def pass_names(self) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from spec_decode.methods.base import PassRecipe, SpecMethod
 @register
 class EagleMethod(SpecMethod):
     name = "eagle"
+    option_names = ("seed", "mask_token_id")
     drafter = "head"
     recipes = (PassRecipe("draft", shift=1, conditioned=True, reads="one"),)
     sequential = True

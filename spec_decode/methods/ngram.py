@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 @register
 class NgramMethod(SpecMethod):
     name = "ngram"
+    option_names = ("max_window",)
 
     def make_proposer(self, config: SpeculativeConfig) -> TokenProposer:
         from spec_decode.ngram import NgramProposer

@@ -14,6 +14,7 @@ from spec_decode.methods.base import PassRecipe, SpecMethod
 @register
 class ParallelMethod(SpecMethod):
     name = "parallel"
+    option_names = ("seed", "mask_token_id")
     drafter = "head"
     recipes = (PassRecipe("draft", masks=-1, shift=1, conditioned=True, reads="all"),)
 

@@ -14,6 +14,7 @@ from spec_decode.methods.base import PassRecipe, SpecMethod
 @register
 class PardMethod(SpecMethod):
     name = "pard"
+    option_names = ("mask_token_id",)
     drafter = "lm"
     recipes = (PassRecipe("draft", bonus=True, masks=-1, reads="all"),)
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 @register
 class SuffixMethod(SpecMethod):
     name = "suffix"
+    option_names = ("max_tree_depth", "max_cached_requests", "min_token_prob", "max_spec_factor")
 
     def make_proposer(self, config: SpeculativeConfig) -> TokenProposer:
         from spec_decode.suffix import SuffixProposer
