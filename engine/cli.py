@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 import time
 from dataclasses import fields
@@ -74,11 +75,35 @@ def parse_bytes(text: str) -> int:
     number = value[:-1] if value[-1:] in units else value
     try:
         result = int(float(number) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: inf; ValueError: nan or text
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
     if result <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
     return result
+
+
+def parse_port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {port}")
+    return port
+
+
+# Config fields whose command-line option is not simply the field's name.
+_OPTION_NAMES = {"kv_cache_memory_bytes": "kv-cache-memory", "policy": "scheduling-policy"}
+
+
+def _refuse(command: str, err: BaseException | str) -> int:
+    """A user error: one line naming the option and what it accepts, no traceback,
+    exit code 2 (the config classes' names become the options': --max-tokens)."""
+    text = re.sub(r"\b(?:SamplingParams|EngineConfig|SchedulerConfig|CacheConfig|"
+                  r"RunnerConfig)\.(\w+)",
+                  lambda m: "--" + _OPTION_NAMES.get(m[1], m[1].replace("_", "-")), str(err))
+    print(f"specbudget {command}: {text}", file=sys.stderr)
+    return 2
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, spec_default: str | None) -> None:
@@ -114,7 +139,7 @@ def _add_serve_parser(sub: Any) -> None:
                            "/v1/chat/completions, /v1/models, /health, /metrics)")
     _add_engine_args(serve, None)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=parse_port, default=8000)
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send and metrics carry "
                        "(default: the model argument, or smollm2-135m)")
@@ -189,16 +214,21 @@ def _add_bench_parser(sub: Any) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig `serve` and `generate` build from their arguments."""
+    """The EngineConfig `serve` and `generate` build from their arguments; ValueError
+    naming the option for what cannot run."""
     from engine.config import EngineConfig
 
     raw = args.speculative_config
     try:
         spec_dict = json.loads(raw) if raw else None
     except json.JSONDecodeError as err:
-        raise SystemExit(f"--speculative-config is not JSON ({err}): {raw!r}") from None
+        raise ValueError(f"--speculative-config is not JSON ({err}): {raw!r}") from None
     if spec_dict is not None and not isinstance(spec_dict, dict):
-        raise SystemExit(f"--speculative-config must be a JSON object or null: {raw!r}")
+        raise ValueError(f"--speculative-config must be a JSON object or null: {raw!r}")
+    try:
+        spec = SpeculativeConfig.from_dict(spec_dict)
+    except ValueError as err:
+        raise ValueError(f"--speculative-config: {err}") from None
     return EngineConfig(
         model=args.model, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -206,7 +236,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching, policy=args.scheduling_policy,
         device=args.device, dtype=args.dtype,
         quantization=None if args.quantization == "none" else args.quantization,
-        speculative_config=SpeculativeConfig.from_dict(spec_dict))
+        speculative_config=spec)
 
 
 def _describe_spec(spec: SpeculativeConfig | None) -> str:
@@ -246,7 +276,10 @@ def serve(args: argparse.Namespace) -> int:
     prometheus_client.disable_created_metrics()
     level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
-    config = engine_config_from_args(args)
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as err:
+        return _refuse("serve", err)
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     logging.getLogger("specbudget.engine").info(
         "serving %s as %r on http://%s:%d: speculative decoding %s, "
@@ -256,7 +289,9 @@ def serve(args: argparse.Namespace) -> int:
         config.max_num_seqs, config.max_model_len)
     try:
         engine = _serving_engine(args, config, name)
-    except (ValueError, ImportError, TimeoutError) as err:  # say why, no traceback
+    except ValueError as err:  # a setting that cannot run: say which, no traceback
+        return _refuse("serve", f"cannot start: {err}")
+    except (ImportError, TimeoutError) as err:  # the environment, not the settings
         raise SystemExit(f"specbudget serve: cannot start: {err}") from None
     try:
         # build_app exports the engine's specbudget:* metrics (engine/metrics.py) on /metrics.
@@ -270,10 +305,23 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from engine.llm import LLM
     from scheduler import SamplingParams
 
-    config = engine_config_from_args(args)
+    try:
+        config = engine_config_from_args(args)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                seed=args.seed)
+    except ValueError as err:
+        return _refuse("generate", err)
+    try:
+        return _generate(args, config, params)
+    except ValueError as err:  # refused at engine start or by the prompt checks
+        return _refuse("generate", err)
+
+
+def _generate(args: argparse.Namespace, config: EngineConfig, params: Any) -> int:
+    from engine.llm import LLM
+
     prompts = args.prompt or list(DEMO_PROMPTS)
     chat = args.chat or args.prompt is None  # the demo prompts are chat messages
     print(f"specbudget generate: {args.model or DEFAULT_MODEL_NAME}, speculative decoding "
@@ -282,8 +330,6 @@ def generate(args: argparse.Namespace) -> int:
     llm = LLM(config.model, config.speculative_config,
               **{f.name: getattr(config, f.name) for f in fields(config)
                  if f.name not in ("model", "speculative_config")})
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            seed=args.seed)
     if llm.replicas is None:
         runner = llm.engine.runner
         print(f"dtype {runner.dtype_description}; linear kernel {runner.kernel_description}",

@@ -31,6 +31,14 @@ class EngineConfig:
     quantization: str | None = None
     speculative_config: SpeculativeConfig | None = None
 
+    def __post_init__(self) -> None:
+        # Checked here as well as in CacheConfig: the runner divides by the block size
+        # before any CacheConfig exists.
+        for name in ("block_size", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
+
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                self.max_model_len, self.enable_chunked_prefill, self.policy)

@@ -10,6 +10,7 @@ then propose the next drafts (token lookup, or drafter passes in the same buffer
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,6 +39,16 @@ Logprobs = tuple[list[int], list[float]]
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """The device's total memory (physical RAM for the CPU); None where unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 class ModelRunner:
@@ -96,6 +107,10 @@ class ModelRunner:
         """Blocks the configured KV memory buys (target and drafter caches together);
         the engine hands this number to the scheduler's CacheConfig."""
         per_block = self.kv_bytes_per_block()
+        available = device_memory_bytes(self.device)
+        if available is not None and self.config.kv_cache_memory_bytes > available:
+            raise ValueError(f"kv_cache_memory_bytes={self.config.kv_cache_memory_bytes} is more "
+                             f"than this {self.device.type} device has ({available} bytes)")
         num_blocks = self.config.kv_cache_memory_bytes // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_bytes={self.config.kv_cache_memory_bytes} "

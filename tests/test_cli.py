@@ -79,8 +79,68 @@ def test_parse_bytes_refuses(bad: str) -> None:
 
 def test_serve_refuses_a_bad_speculative_config() -> None:
     args = cli._parser().parse_args(["serve", "--speculative-config", "{method: ngram}"])
-    with pytest.raises(SystemExit, match="not JSON"):
+    with pytest.raises(ValueError, match="not JSON"):
         cli.engine_config_from_args(args)
+
+
+def _one_line_refusal(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert says in err, err
+
+
+SPEC = "--speculative-config"
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    ([SPEC, '{"method": "bogus", "num_speculative_tokens": 2}'],
+     "--speculative-config: SpeculativeConfig.method='bogus' is not supported"),
+    ([SPEC, '{"method": "ngram", "num_speculative_tokens": 0}'], "must be >= 1"),
+    ([SPEC, '{"method": "ngram", "num_speculative_tokens": -1}'], "must be >= 1"),
+    ([SPEC, '{"method": "ngram", "num_speculative_tokens": 3.5}'], "must be an integer"),
+    ([SPEC, '{"method": "ngram", "num_speculative_tokens": "3"}'], "must be an integer"),
+    ([SPEC, '{"method": "ngram", "num_speculative_tokens": true}'], "must be an integer"),
+    ([SPEC, '{"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}'], "unknown keys"),
+    ([SPEC, '{"method": "ngram", "num_speculative_tokens": 1000}'], "max_num_batched_tokens"),
+    ([SPEC, '{"method": "eagle", "num_speculative_tokens": 3}'], "train-drafter"),
+    (["--max-tokens", "0"], "--max-tokens must be"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number"),
+    (["--prompt", ""], "prompt must be a non-empty string"),
+    (["--block-size", "0"], "--block-size must be an integer >= 1"),
+    (["--kv-cache-memory", "100T"], "is more than this cpu device has"),
+])
+def test_generate_refuses_user_errors_in_one_line(argv: list[str], says: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    _one_line_refusal(["generate", *argv], says, capsys)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    ([SPEC, '{"method": "ngram", "num_speculative_tokens": "3"}'], "must be an integer"),
+    ([SPEC, "[1]"], "must be a JSON object"),
+    (["--block-size", "0"], "--block-size must be an integer >= 1"),
+    (["--kv-cache-memory", "100T"], "cannot start: kv_cache_memory_bytes="),
+    (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1"),
+    (["--ray-address", "10.0.0.1:6379"], "--ray-address needs --data-parallel-size > 1"),
+])
+def test_serve_refuses_user_errors_in_one_line(argv: list[str], says: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    _one_line_refusal(["serve", *argv], says, capsys)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["serve", "--port", "70000"], "port must be in [0, 65535]"),
+    (["serve", "--kv-cache-memory", "infG"], "not a size"),
+    (["generate", "--kv-cache-memory", "nanM"], "not a size"),
+])
+def test_option_values_argparse_refuses(argv: list[str], says: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
 
 
 def test_serve_runs_uvicorn_on_an_app_with_metrics(monkeypatch: pytest.MonkeyPatch,
@@ -206,11 +266,3 @@ def test_serve_bench_script_self_contained(tmp_path: Path) -> None:
     assert (tmp_path / "s.png").exists()
 
 
-@pytest.mark.parametrize(("argv", "says"), [
-    (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1"),
-    (["--ray-address", "10.0.0.1:6379"], "--ray-address needs --data-parallel-size > 1"),
-])
-def test_serve_refuses_bad_data_parallel_options(argv: list[str], says: str) -> None:
-    args = cli._parser().parse_args(["serve", *argv])
-    with pytest.raises(SystemExit, match=says):
-        cli.serve(args)
