@@ -57,7 +57,7 @@ class BatchedPlan:
     shape: tuple[int, int, int, int]  # (R, Hkv, Q, G)
     q_index: torch.Tensor  # [R*Hkv*Q*G] row of query.view(-1, D) (padding repeats a real row)
     kv_index: torch.Tensor  # [R*Hkv*L] row of cache.view(-1, D) (position 0 past the end)
-    mask: torch.Tensor  # [R, 1, Q, 1, L] float32: 0 where the query sees the key, else -inf
+    mask: torch.Tensor  # [R*Hkv, Q*G, L] float32: 0 where the query sees the key, else -inf
     out_index: torch.Tensor  # row of out.view(-1, D) of each real padded query row
     real: torch.Tensor  # [R*Hkv*Q*G] bool: which padded query rows are real
     # When every request is in the plan: the padded row of each out row, in order.
@@ -169,9 +169,12 @@ def plan_batched(meta: AttentionMetadata, block_size: int, num_heads: int,
     if len(reqs) == meta.num_reqs:
         gather_out = torch.empty_like(out_index)
         gather_out[out_index] = torch.nonzero(real).flatten()
+    # Expanded once per step, so each layer adds it inside its score matmul (baddbmm).
+    problem_mask = mask[:, None, :, None, :].expand(*shape, max_len).reshape(
+        len(index) * num_kv_heads, max_q * group, max_len)
     return BatchedPlan(set(reqs), shape, q_index.reshape(-1),
                        (slots[:, None, :] * num_kv_heads + kv_heads[None, :, None]).reshape(-1),
-                       mask[:, None, :, None, :], out_index, real, gather_out)
+                       problem_mask, out_index, real, gather_out)
 
 
 def _attend_batched(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -188,10 +191,9 @@ def _attend_batched(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         q, k, v = q.float(), k.float(), v.float()
     k = k.view(problems, -1, head_dim)
     num_keys = k.shape[1]
-    scores = torch.bmm(q.view(problems, max_q * group, head_dim), k.transpose(1, 2))
-    scores = torch.add(plan.mask, scores.view(num_reqs, num_kv_heads, max_q, group, num_keys),
-                       alpha=scale)
-    probs = torch.softmax(scores.view(problems, max_q * group, num_keys), dim=-1)
+    scores = torch.baddbmm(plan.mask, q.view(problems, max_q * group, head_dim),
+                           k.transpose(1, 2), alpha=scale)
+    probs = torch.softmax(scores, dim=-1)
     chunks = num_keys // KEY_CHUNK
     probs = probs.view(problems, max_q * group, chunks, KEY_CHUNK).transpose(1, 2)
     parts = torch.bmm(probs.reshape(problems * chunks, max_q * group, KEY_CHUNK),

@@ -48,7 +48,8 @@ _REDUCE_RANGE = True
 # The pinned range [-64, 63] makes the kernel's activation scale exactly 1 and its zero
 # point exactly 64: integers in [-63, 63] pass through the kernel's quantizer unchanged.
 _LOW, _HIGH = -64.0, 63.0
-_UNIT = 1 / 63  # a row's largest magnitude lands at 63
+_PEAK = 63.0  # a row's largest magnitude lands here; the weights carry the 1/63 back
+_ZERO = torch.zeros(())
 _LOW_GAIN = 126.0  # the rounding remainder, in [-1/2, 1/2], scaled to [-63, 63]
 
 
@@ -88,7 +89,7 @@ class _Int8Packed(PackedLinear):
                  scratch: _Scratch) -> None:
         weight = weight.detach().float()
         self.out_features, self.in_features = weight.shape
-        padded = torch.cat([weight, weight.new_zeros(self.out_features, 2)], dim=1)
+        padded = torch.cat([weight / _PEAK, weight.new_zeros(self.out_features, 2)], dim=1)
         scale = (padded.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
         zero = torch.zeros(self.out_features, dtype=torch.long)
         with warnings.catch_warnings():  # quantized tensors are deprecated, the op is not
@@ -100,14 +101,14 @@ class _Int8Packed(PackedLinear):
         self.scratch = scratch
 
     def _product(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W times x's rows in grid units [T, out], each row's unit [T, 1])."""
+        """(W times x's rows scaled to a largest magnitude of 1 [T, out], each row's
+        largest magnitude [T, 1])."""
         if x.dtype != torch.float32:
             raise TypeError(f"int8 linear layers take float32 activations, got {x.dtype}")
         rows = x.shape[0]
         full, high, low = self.scratch.views(rows, self.in_features)
         unit = torch.linalg.vector_norm(x, _INF, dim=1, keepdim=True).clamp_min_(_TINY)
-        unit.mul_(_UNIT)  # the row's largest magnitude lands at 63 grid steps
-        v = torch.div(x, unit)
+        v = torch.addcdiv(_ZERO, x, unit, value=_PEAK)  # within [-63, 63]
         torch.round(v, out=high)
         torch.sub(v, high, out=low)
         low.mul_(_LOW_GAIN)
