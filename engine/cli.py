@@ -436,8 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return bench_serve(args)
     if args.command == "train-drafter":
-        from training.pipeline import run
+        from training.pipeline import check_arguments, run
 
+        try:
+            check_arguments(args)
+        except ValueError as err:
+            return _refuse("train-drafter", err)
         run(args)
         return 0
     if args.command == "prepare-model":

@@ -266,3 +266,33 @@ def test_serve_bench_script_self_contained(tmp_path: Path) -> None:
     assert (tmp_path / "s.png").exists()
 
 
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--num-speculative-tokens", "0"], "must be in [1, 16], got 0"),
+    (["--num-speculative-tokens", "-3"], "must be in [1, 16], got -3"),
+    (["--draft-vocab-size", "0"], "must be >= 1, got 0"),
+    (["--tokens", "0"], "must be >= 1, got 0"),
+    (["--updates", "-1"], "must be >= 1, got -1"),
+    (["--max-prompts", "x"], "not an integer"),
+])
+def test_train_drafter_refuses_bad_options_at_parse_time(
+        argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train-drafter", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_train_drafter_refuses_a_draft_vocabulary_larger_than_the_target(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from training import pipeline
+
+    def no_data(args: object) -> dict:
+        raise AssertionError("the data phase started")
+
+    monkeypatch.setattr(pipeline, "run", no_data)
+    _one_line_refusal(["train-drafter", "--draft-vocab-size", "10000000"],
+                      "--draft-vocab-size must be at most the target's vocabulary (49152), "
+                      "got 10000000", capsys)

@@ -4,19 +4,40 @@ without importing torch)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+
+# Drafts per chain a head is trained for: more than this is never served (the budget
+# rule and the head's accuracy both make longer chains useless).
+MAX_TRAIN_DEPTH = 16
+
+
+def at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high], refused at parse time (before the
+    data phase, which takes minutes)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            limit = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be {limit}, got {value}")
+        return value
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default="eagle", choices=("eagle", "mtp", "parallel",
                                                               "dflash"))
     parser.add_argument("--model", default=None, help="target (default: the default model)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4,
+    parser.add_argument("--num-speculative-tokens", type=at_least(1, MAX_TRAIN_DEPTH), default=4,
                         help="K the head is trained for: drafts per chain in training")
-    parser.add_argument("--draft-vocab-size", type=int, default=8192)
-    parser.add_argument("--tokens", type=int, default=64_000,
+    parser.add_argument("--draft-vocab-size", type=at_least(1), default=8192,
+                        help="at most the target's vocabulary (checked before any data)")
+    parser.add_argument("--tokens", type=at_least(1), default=64_000,
                         help="training positions (three quarters chat, a quarter code)")
-    parser.add_argument("--updates", type=int, default=300)
-    parser.add_argument("--max-prompts", type=int, default=None,
+    parser.add_argument("--updates", type=at_least(1), default=300)
+    parser.add_argument("--max-prompts", type=at_least(1), default=None,
                         help="use only the first N training instructions")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="output dir (default: the model cache)")

@@ -26,7 +26,7 @@ import torch
 
 from engine.llm import LLM
 from runner.eagle3 import Eagle3Config, Eagle3Head, save_eagle3, trained_head_dir
-from runner.model_loader import load_model
+from runner.model_loader import load_model, read_config
 from runner.model_prep import resolve_model
 from runner.models.llama import LlamaForCausalLM
 from scheduler import SamplingParams
@@ -122,9 +122,19 @@ def self_distilled_data(llm: LLM, model: LlamaForCausalLM, args: argparse.Namesp
     return splits
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """What argparse cannot check alone, before minutes of data generation: ValueError
+    naming the option. (Ranges of single options are argparse types: training/options.py.)"""
+    vocab_size = int(read_config(resolve_model(args.model))["vocab_size"])
+    if args.draft_vocab_size > vocab_size:
+        raise ValueError(f"--draft-vocab-size must be at most the target's vocabulary "
+                         f"({vocab_size}), got {args.draft_vocab_size}")
+
+
 def run(args: argparse.Namespace) -> dict:
     started = time.monotonic()
     torch.manual_seed(args.seed)
+    check_arguments(args)
     path = resolve_model(args.model)
     model = load_model(path)
     llm = LLM(model=args.model, loaded_model=model, max_model_len=512, max_num_seqs=64,
