@@ -149,6 +149,15 @@ def _add_serve_parser(sub: Any) -> None:
                        default=DEFAULT_MAX_BODY_BYTES,
                        metavar="BYTES", help="larger request bodies get 413 before they are "
                        "read (default 4M)")
+    serve.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="a connection must send a request's headers within this "
+                       "(default 10)")
+    serve.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
+                       help="an idle keep-alive connection is closed after this (default 5)")
+    serve.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="a request body must arrive within this, else 408 (default 30)")
+    serve.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                       help="past N open connections a new one gets 503 (default 1024)")
     serve.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
                        help="on SIGTERM, how long requests in flight may finish; then "
                        "streams end with an error event and others get 503 (default 5)")
@@ -266,9 +275,9 @@ def _serving_engine(args: argparse.Namespace, config: EngineConfig,
 
 def serve(args: argparse.Namespace) -> int:
     import prometheus_client
-    import uvicorn
 
-    from engine.local_server import DrainingServer
+    from engine.http_protocol import ConnectionLimits
+    from engine.local_server import DrainingServer, uvicorn_config
     from engine.server import build_app
 
     # Operators scrape vLLM-shaped metrics; the *_created series only add noise
@@ -278,6 +287,11 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
     try:
         config = engine_config_from_args(args)
+        limits = ConnectionLimits(args.header_timeout, args.keep_alive_timeout,
+                                  args.body_timeout, args.max_connections)
+        if not args.shutdown_timeout >= 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got "
+                             f"{args.shutdown_timeout}")
     except ValueError as err:
         return _refuse("serve", err)
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
@@ -295,8 +309,9 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"specbudget serve: cannot start: {err}") from None
     try:
         # build_app exports the engine's specbudget:* metrics (engine/metrics.py) on /metrics.
-        app = build_app(engine, name, max_request_body_bytes=args.max_request_body_bytes)
-        server_config = uvicorn.Config(app, host=args.host, port=args.port,
+        app = build_app(engine, name, max_request_body_bytes=args.max_request_body_bytes,
+                        limits=limits)
+        server_config = uvicorn_config(app, host=args.host, port=args.port,
                                        log_level=args.log_level)
         DrainingServer(server_config, engine, args.shutdown_timeout).run()
     finally:

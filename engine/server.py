@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from engine import protocol as P
 from engine.async_engine import (
@@ -45,6 +46,7 @@ from engine.formats import (
     ModelList,
     apply_delta,
 )
+from engine.http_protocol import ConnectionLimits
 from engine.json_body import DEFAULT_MAX_BODY_BYTES
 from engine.output import RequestDelta
 from engine.streams import Choices, ClientGone, EventStream, until_disconnected
@@ -89,10 +91,14 @@ def _error_response(err: P.APIError) -> JSONResponse:
 class _OpenAIServer:
     """Turns validated requests into engine requests and engine deltas into responses."""
 
-    def __init__(self, engine: ServingEngine, model_name: str, max_body_bytes: int) -> None:
+    def __init__(self, engine: ServingEngine, model_name: str, max_body_bytes: int,
+                 body_timeout: float) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
+        # Set when the server's shutdown timeout passes: bodies still arriving get 503.
+        self.closing = asyncio.Event()
         self.limits = P.ServingLimits(model_name, engine.config.max_model_len,
                                       engine.tokenizer.vocab_size)
 
@@ -166,18 +172,40 @@ class _OpenAIServer:
     # ---- serving ------------------------------------------------------------------
 
     async def read_body(self, request: Request) -> bytes:
-        """The body, refused with 413 once it passes the limit: from Content-Length
-        before reading anything, else as the chunks arrive (never held whole)."""
+        """The body, within `body_timeout` seconds (else 408) and before the shutdown
+        timeout passes (else 503); ClientGone when the client leaves mid-body."""
+        reading = asyncio.ensure_future(self._read_all(request))
+        closing = asyncio.ensure_future(self.closing.wait())
+        try:
+            done, _ = await asyncio.wait({reading, closing}, timeout=self.body_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+        if reading in done:
+            return reading.result()
+        reading.cancel()
+        if closing in done:
+            raise _engine_error(EngineShutdownError(
+                "the server is shutting down: the request body was still arriving"))
+        raise P.APIError(f"The request body did not arrive within {self.body_timeout:g} s "
+                         "(--body-timeout)", status=408, code="request_timeout")
+
+    async def _read_all(self, request: Request) -> bytes:
+        """Refused with 413 once past the limit: from Content-Length before reading
+        anything, else as the chunks arrive (never held whole)."""
         limit = self.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise _too_large(int(declared), limit)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(size, limit)
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(size, limit)
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ClientGone() from None
         return b"".join(chunks)
 
     async def serve(self, request: Request,
@@ -186,7 +214,11 @@ class _OpenAIServer:
             return _error_response(P.APIError(
                 "The engine is not running (it stopped after a fault)", status=503,
                 code="engine_dead", type="server_error"))
-        raw = await self.read_body(request)
+        try:
+            raw = await self.read_body(request)
+        except ClientGone:  # common and harmless: one quiet line, no traceback
+            logger.debug("client %s left before sending its whole body", request.client)
+            return Response(status_code=499)
         # Parsing and tokenising a long prompt takes seconds: on a worker thread (the
         # tokenizer releases the GIL), so /health and every stream keep flowing.
         job, fmt = await asyncio.to_thread(make_job, raw)
@@ -251,10 +283,14 @@ def wire_engine_metrics(engine: ServingEngine, registry: CollectorRegistry,
 
 def build_app(engine: ServingEngine, served_model_name: str,
               registry: CollectorRegistry | None = None,
-              max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The OpenAI-compatible app over `engine`; see the module docstring."""
+              max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              limits: ConnectionLimits | None = None) -> FastAPI:
+    """The OpenAI-compatible app over `engine`; see the module docstring. `limits`:
+    the body timeout is the app's; the rest is the HTTP protocol's (local_server)."""
     registry = registry if registry is not None else CollectorRegistry()
-    server = _OpenAIServer(engine, served_model_name, max_request_body_bytes)
+    limits = limits or ConnectionLimits()
+    server = _OpenAIServer(engine, served_model_name, max_request_body_bytes,
+                           limits.body_timeout)
     unwire = wire_engine_metrics(engine, registry, served_model_name)
 
     @asynccontextmanager
@@ -267,6 +303,8 @@ def build_app(engine: ServingEngine, served_model_name: str,
     app = FastAPI(title="specbudget", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.registry = registry
+    app.state.limits = limits
+    app.state.closing = server.closing  # set by DrainingServer at its shutdown timeout
     _add_error_handlers(app)
 
     # The handlers read the raw body (strict JSON first), so the request models are

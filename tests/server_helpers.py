@@ -11,6 +11,7 @@ import torch
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.http_protocol import ConnectionLimits
 from engine.local_server import ServerThread, serve_in_thread
 from runner.model_loader import load_model
 from runner.model_prep import resolve_model
@@ -37,7 +38,8 @@ def make_engine(**config: Any) -> AsyncEngine:
 
 
 @contextmanager
-def serve(engine: AsyncEngine, name: str = MODEL_NAME) -> Iterator[ServerThread]:
+def serve(engine: AsyncEngine, name: str = MODEL_NAME,
+          limits: ConnectionLimits | None = None) -> Iterator[ServerThread]:
     """`build_app(engine, name)` on a free port until the block ends; the engine stays up."""
-    with serve_in_thread(engine, name) as thread:
+    with serve_in_thread(engine, name, limits=limits) as thread:
         yield thread

@@ -93,3 +93,44 @@ def test_serve_refuses_to_start_with_a_kv_cache_too_small_for_one_request() -> N
     assert proc.returncode != 0
     assert "cannot hold one request of max_model_len=2048" in proc.stderr
     assert "--kv-cache-memory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sigterm_answers_a_half_sent_upload_and_exits_within_the_timeout() -> None:
+    """A body still arriving at shutdown gets the JSON 503 (it got a text/plain 500 and a
+    CancelledError traceback), and the process exits within the shutdown timeout plus a
+    small constant (it waited for uvicorn's own cutoff, int(timeout) + 5 s)."""
+    timeout = 2.0
+    with serve_process("--shutdown-timeout", str(timeout)) as (proc, base):
+        port = int(base.rsplit(":", 1)[1])
+        upload = socket.create_connection(("127.0.0.1", port), timeout=30)
+        upload.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                       b"application/json\r\ncontent-length: 1000\r\n\r\n{\"prompt\":")
+        results: dict[str, object] = {}
+
+        def stream() -> None:
+            with httpx.stream("POST", base + C, json={**LONG, "stream": True},
+                              timeout=60) as response:
+                results["events"] = [line for line in response.iter_lines()
+                                     if line.startswith("data: ")]
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        time.sleep(1.0)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        received = b""
+        while chunk := upload.recv(65536):
+            received += chunk
+        upload.close()
+        thread.join(60)
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+        elapsed = time.monotonic() - sent
+        log = proc.stdout.read() if proc.stdout else ""
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), received
+    assert json.loads(body)["error"]["code"] == "server_shutting_down"
+    events = results["events"]
+    assert isinstance(events, list) and events[-1] == "data: [DONE]"
+    assert "Traceback" not in log and "CancelledError" not in log, log
+    # The old path: uvicorn's cutoff at int(2) + 5 = 7 s; now the timeout + 1 s grace.
+    assert elapsed < timeout + 3.5
