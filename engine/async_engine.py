@@ -58,7 +58,11 @@ class ServingEngine(Protocol):
     def is_alive(self) -> bool: ...
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestDelta]: ...
+                 params: SamplingParams, priority: int = 0,
+                 buffered: bool = False) -> AsyncIterator[RequestDelta]:
+        """`buffered`: the caller shows nothing before the request ends (a non-streamed
+        response), so an engine that can lose a request midway (a replica) may start
+        it again elsewhere instead of failing it."""
 
     def abort(self, request_id: str) -> None: ...
 
@@ -137,8 +141,10 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestDelta]:
-        """Stream one request's deltas; leaving early (a disconnect) aborts it."""
+                       params: SamplingParams, priority: int = 0,
+                       buffered: bool = False) -> AsyncIterator[RequestDelta]:
+        """Stream one request's deltas; leaving early (a disconnect) aborts it.
+        (`buffered` changes nothing here: this engine cannot lose a request midway.)"""
         if not self.is_alive:
             raise EngineDeadError(f"engine is dead: {self.dead!r}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())

@@ -13,9 +13,11 @@ takes either). Ray is imported here only, and only when N > 1.
   or its process is gone), one that Ray is restarting is starting, and a replica
   that answers again is ready. Ray restarts dead replicas (`max_restarts=-1`; one
   whose engine faulted is killed first so that Ray replaces it).
-- **Failover**: a request whose replica dies before it emitted anything is sent to
-  another ready replica; one that already streamed tokens ends with
-  `ReplicaFailedError` (the server sends an error event, then `[DONE]`).
+- **Failover**: a request whose replica dies before the client saw anything is sent
+  to another ready replica: a stream that has sent nothing yet, and any non-streamed
+  request (`buffered`: its deltas are held until it ends, so it is re-sent even from
+  midway). Only a stream that already sent tokens ends with `ReplicaFailedError` (the
+  server sends an error event, then `[DONE]`).
 """
 
 from __future__ import annotations
@@ -162,10 +164,12 @@ class DataParallelEngine:
     # ---- requests --------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, priority: int = 0
-                       ) -> AsyncIterator[RequestDelta]:
+                       params: SamplingParams, priority: int = 0,
+                       buffered: bool = False) -> AsyncIterator[RequestDelta]:
         """Stream one request from the replica the router picks; see the module
-        docstring for what happens when that replica dies."""
+        docstring for what happens when that replica dies. `buffered`: the deltas are
+        held until the request ends, so a replica dying midway costs a re-send, not the
+        request (greedy and seeded requests then return exactly what they would have)."""
         tried: set[int] = set()
         while True:
             replica = self._route(prompt_token_ids, tried)
@@ -173,10 +177,17 @@ class DataParallelEngine:
                 request_id, prompt_token_ids, params, priority)
             self._streams[request_id] = (replica, stream)
             emitted = finished = False
+            held: list[RequestDelta] = []
             try:
                 async for ref in stream:
                     delta: RequestDelta = await ref
-                    emitted, finished = True, delta.finished
+                    finished = delta.finished
+                    if buffered:
+                        held.append(delta)
+                    else:
+                        emitted = True
+                        yield delta
+                for delta in held:
                     yield delta
                 return
             except Exception as raised:
@@ -193,8 +204,8 @@ class DataParallelEngine:
                         f"{type(err).__name__}") from None
                 self.num_resent += 1
                 tried.add(replica.load.index)
-                logger.warning("request %s: replica %d failed before its first token; "
-                               "sending it to another", request_id, replica.load.index)
+                logger.warning("request %s: replica %d failed before the client saw a "
+                               "token; sending it to another", request_id, replica.load.index)
             finally:
                 self._streams.pop(request_id, None)
                 if not finished:

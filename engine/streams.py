@@ -35,7 +35,8 @@ class Choices:
         self._pending = len(job.params)
         self._tasks = [
             asyncio.create_task(self._pump(i, engine.generate(
-                f"{job.request_id}-{i}", job.prompt_token_ids, params, job.priority)))
+                f"{job.request_id}-{i}", job.prompt_token_ids, params, job.priority,
+                buffered=not job.stream)))
             for i, params in enumerate(job.params)
         ]
 

@@ -164,3 +164,48 @@ def test_a_refused_request_gets_the_replicas_own_error(dp: DataParallelEngine) -
         asyncio.run(_tokens(dp, "too-long", list(range(3, 600)), SamplingParams()))
     assert "Traceback" not in str(info.value) and type(info.value) is ValueError
     assert dp.num_resent == resent
+
+
+def test_killed_replica_loses_no_non_streamed_request(dp: DataParallelEngine) -> None:
+    """Non-streamed requests have shown the client nothing: a replica killed midway
+    costs a re-send, and greedy requests return exactly what one engine returns
+    (issue 20 item 10: 8 of 16 got an error)."""
+    for replica in dp.replicas:  # the previous test's victim must be back
+        deadline = time.monotonic() + 300
+        while replica.load.state is not ReplicaState.READY:
+            assert time.monotonic() < deadline, replica.describe()
+            time.sleep(0.2)
+    victim = dp.replicas[1]
+    old_pid = victim.info["pid"]
+    resent_before = dp.num_resent
+    with serve_in_thread(dp, "m") as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+        results: dict[int, list[int] | str] = {}
+
+        def one(i: int) -> None:
+            try:
+                out = client.completions.create(
+                    model="m", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=40,
+                    temperature=0.0, extra_body={"ignore_eos": True})
+                results[i] = out.choices[0].text  # type: ignore[assignment]
+            except openai.APIError as err:
+                results[i] = f"error: {err}"
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while victim.load.running == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # midway through its requests
+        os.kill(old_pid, signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=300)
+    assert not any(isinstance(r, str) and r.startswith("error") for r in results.values()), \
+        results
+    assert dp.num_resent > resent_before
+    single = LLM(**{k: getattr(CONFIG, k) for k in ("max_num_seqs", "max_model_len",
+                                                    "kv_cache_memory_bytes")})
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].text for o in single.generate(PROMPTS, params, use_tqdm=False)]
+    assert all(results[i] == expected[i % len(PROMPTS)] for i in range(16))
