@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -35,7 +36,14 @@ class ChoiceState:
     logprobs: list[Logprobs] = field(default_factory=list)
     finish_reason: str | None = None
     num_output_tokens: int = 0
-    text_offset: int = 0  # completions logprobs: characters of tokens reported so far
+    # Completions logprobs: characters of the tokens reported so far, counted from
+    # their UTF-8 bytes (a token holding part of a character adds it once complete).
+    text_offset: int = 0
+    utf8: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+
+    def restart_offsets(self) -> None:
+        self.text_offset = 0
+        self.utf8.reset()
 
 
 # ---- responses --------------------------------------------------------------------
@@ -153,6 +161,9 @@ class Format:
     def token_text(self, token_id: int) -> str:
         return self.server.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def token_string(self, token_id: int) -> str:
+        return self.server.engine.tokenizer.logprob_token(token_id)
+
     def usage(self, states: list[ChoiceState]) -> UsageInfo:
         prompt = len(self.job.prompt_token_ids)
         completion = sum(s.num_output_tokens for s in states)
@@ -178,14 +189,16 @@ class CompletionFormat(Format):
         if self.num_logprobs is None:
             return None
         out = CompletionLogprobs()
+        tokenizer = self.server.engine.tokenizer
         for token_ids, lps in entries:
-            token = self.token_text(token_ids[0])
-            out.tokens.append(token)
+            out.tokens.append(self.token_string(token_ids[0]))
             out.token_logprobs.append(lps[0])
-            out.top_logprobs.append({self.token_text(t): lp
-                                     for t, lp in zip(token_ids[1:], lps[1:], strict=True)})
-            out.text_offset.append(state.text_offset)
-            state.text_offset += len(token)
+            top: dict[str, float] = {}
+            for t, lp in zip(token_ids[1:], lps[1:], strict=True):
+                top.setdefault(self.token_string(t), lp)  # best first: a clash keeps it
+            out.top_logprobs.append(top)
+            out.text_offset.append(min(state.text_offset, len(state.text)))
+            state.text_offset += len(state.utf8.decode(tokenizer.token_bytes(token_ids[0])))
         return out
 
     def chunk(self, index: int, delta: RequestDelta, state: ChoiceState) -> dict[str, Any]:
@@ -202,7 +215,7 @@ class CompletionFormat(Format):
     def response(self, states: list[ChoiceState]) -> dict[str, Any]:
         choices = []
         for i, state in enumerate(states):
-            state.text_offset = 0
+            state.restart_offsets()
             choices.append(CompletionChoice(index=i, text=state.text,
                                               logprobs=self.logprobs(state.logprobs, state),
                                               finish_reason=state.finish_reason))

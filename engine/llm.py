@@ -12,7 +12,7 @@ from tqdm import tqdm
 from engine import protocol as P
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.output import OutputProcessor
+from engine.output import OutputProcessor, RequestDelta
 from engine.tokenizer import Tokenizer
 from runner.models.llama import LlamaForCausalLM
 from scheduler import Request, SamplingParams
@@ -22,12 +22,45 @@ if TYPE_CHECKING:
     from engine.data_parallel import DataParallelEngine
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's logprob (of the raw logits, as the server reports), its rank among
+    the top tokens asked for (None: the sampled token was not among them), and how
+    the server names it (text, or "bytes:\\xNN" for part of a UTF-8 character)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
 @dataclass
 class CompletionOutput:
+    """vLLM's shape: `logprobs[i]` maps token ids to their `Logprob` at output position
+    i (the sampled token and the top `SamplingParams.logprobs`); None when not asked."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+
+    def add(self, delta: RequestDelta, tokenizer: Tokenizer) -> None:
+        """Append one step's tokens, text and logprobs."""
+        self.token_ids.extend(delta.new_token_ids)
+        self.text += delta.delta_text
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+        if self.logprobs is None:
+            return
+        for token_ids, lps in delta.logprobs:
+            ranks = {t: r for r, t in enumerate(token_ids[1:], start=1)}
+            entry = {token_ids[0]: Logprob(lps[0], ranks.get(token_ids[0]),
+                                           tokenizer.logprob_token(token_ids[0]))}
+            for t, lp in zip(token_ids[1:], lps[1:], strict=True):
+                entry.setdefault(t, Logprob(lp, ranks[t], tokenizer.logprob_token(t)))
+            self.logprobs.append(entry)
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + lps[0]
 
 
 @dataclass
@@ -37,6 +70,10 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+
+
+def _empty_completion(params: SamplingParams) -> CompletionOutput:
+    return CompletionOutput(0, "", [], None, None if params.logprobs is None else [])
 
 
 class LLM:
@@ -75,6 +112,10 @@ class LLM:
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {params!r:.80}")
+        for i, token in enumerate(params.stop_token_ids):  # as the server checks them
+            if token >= self.tokenizer.vocab_size:
+                raise ValueError(f"SamplingParams.stop_token_ids[{i}] must be a token id in "
+                                 f"[0, {self.tokenizer.vocab_size}), got {token}")
         prepared = self._prepare(prompts)  # every prompt checked before any is queued
         if self.replicas is not None:
             return asyncio.run(self._generate_on_replicas(self.replicas, prepared, params))
@@ -85,7 +126,7 @@ class LLM:
                 self.engine.add_request(Request(rid, ids, params,
                                                 eos_token_id=self.tokenizer.eos_token_id))
                 self.processor.add(rid, len(ids), params)
-                outputs[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None)])
+                outputs[rid] = RequestOutput(rid, text, ids, [_empty_completion(params)])
         except BaseException:
             for rid in outputs:  # all or nothing: drop the prompts already queued
                 self.engine.abort_request(rid)
@@ -98,11 +139,8 @@ class LLM:
                     self.engine.stop_request(rid)
                 for delta in deltas:
                     out = outputs[delta.request_id]
-                    completion = out.outputs[0]
-                    completion.token_ids.extend(delta.new_token_ids)
-                    completion.text += delta.delta_text
+                    out.outputs[0].add(delta, self.tokenizer)
                     if delta.finished:
-                        completion.finish_reason = delta.finish_reason
                         out.finished = True
                         bar.update(1)
         return list(outputs.values())
@@ -136,18 +174,14 @@ class LLM:
                                     prepared: list[tuple[str | None, list[int]]],
                                     params: SamplingParams) -> list[RequestOutput]:
         """Every prompt at once through the router; a refusal cancels the rest."""
-        outputs = [RequestOutput(str(next(self._ids)), text, ids,
-                                 [CompletionOutput(0, "", [], None)])
+        outputs = [RequestOutput(str(next(self._ids)), text, ids, [_empty_completion(params)])
                    for text, ids in prepared]
 
         async def run(out: RequestOutput) -> None:
-            completion = out.outputs[0]
             async for delta in replicas.generate(out.request_id, out.prompt_token_ids,
-                                                 params):
-                completion.token_ids.extend(delta.new_token_ids)
-                completion.text += delta.delta_text
+                                                 params, buffered=True):
+                out.outputs[0].add(delta, self.tokenizer)
                 if delta.finished:
-                    completion.finish_reason = delta.finish_reason
                     out.finished = True
 
         try:

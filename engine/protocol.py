@@ -146,6 +146,8 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, Any] | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None  # vLLM's extension; only 1 (off) is served
+    min_tokens: Annotated[Int64 | None, _documented(minimum=0)] = None  # extension
     user: StrictStr | None = None
 
 
@@ -259,6 +261,10 @@ def check_sampling(req: _SamplingFields, limits: ServingLimits,
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
         _unsupported(value not in (None, 0.0), name, f"{name} other than 0 is not supported")
+    _unsupported(req.repetition_penalty not in (None, 1.0), "repetition_penalty",
+                 "repetition_penalty other than 1 is not supported")
+    if req.min_tokens is not None:
+        _range(req.min_tokens >= 0, "min_tokens", ">= 0", req.min_tokens)
 
 
 def _unsupported(flag: Any, param: str, message: str) -> None:

@@ -107,6 +107,10 @@ class _OpenAIServer:
     def _job(self, prefix: str, req: P.CompletionRequest | P.ChatCompletionRequest,
              prompt_ids: list[int], max_tokens: int, logprobs: int | None) -> Job:
         stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        min_tokens = req.min_tokens or 0
+        if min_tokens > max_tokens:
+            raise P.APIError(f"min_tokens must be at most max_tokens ({max_tokens}), got "
+                             f"{min_tokens}", param="min_tokens")
         params = [SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -115,7 +119,7 @@ class _OpenAIServer:
             min_p=req.min_p or 0.0,
             seed=None if req.seed is None else _wrap_int64(req.seed + i),
             stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos, logprobs=logprobs, stop=stops,
+            ignore_eos=req.ignore_eos, logprobs=logprobs, stop=stops, min_tokens=min_tokens,
         ) for i in range(req.n)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Job(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, req.priority,

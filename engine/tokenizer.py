@@ -113,6 +113,17 @@ class Tokenizer:
             return bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback
         return self.decode([token_id], skip_special_tokens=False).encode()
 
+    def logprob_token(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or, for a token holding part of a UTF-8
+        character, "bytes:\\xNN..." as vLLM writes it (decoding would give U+FFFD, and
+        several such tokens would collide as one key)."""
+        raw = self.token_bytes(token_id)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+        return self.decode([token_id], skip_special_tokens=False)
+
     def min_num_tokens(self, text: str) -> int:
         """A lower bound on len(encode(text)), found without tokenising: no token covers
         more than `max_token_bytes` bytes. 0 where a normalizer may reshape the text."""

@@ -282,12 +282,37 @@ class ModelRunner:
         """Tokens emitted per sampling request (in order), and logprobs where asked."""
         rows = step.rows[step.samples]
         meta = self._sampling_metadata(rows)
+        allowed = self._before_min_tokens(step, logits)
         if spec and self.spec is not None:
             sampling_ids = [step.req_ids[i] for i in np.flatnonzero(step.samples)]
-            emitted = self.spec.verify(sampling_ids, spec, logits, meta)
+            emitted = self.spec.verify(sampling_ids, spec, allowed, meta)
         else:
-            emitted = [[t] for t in self.sampler(logits, meta).sampled_token_ids.tolist()]
+            emitted = [[t] for t in self.sampler(allowed, meta).sampled_token_ids.tolist()]
         return emitted, self._logprobs(step, logits, emitted)
+
+    def _before_min_tokens(self, step: PreparedStep, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with EOS and the stop token ids at -inf in every row that would
+        produce an output token before the request's min_tokens: a verification row
+        is masked exactly as the decode row at that position would be, so drafts of
+        those tokens are rejected as the target would reject them. Logprobs stay the
+        raw logits'. `logits` itself when no row needs it (a copy otherwise)."""
+        states = self.states
+        rows = step.rows[step.samples].tolist()
+        pending = [(j, row) for j, row in enumerate(rows) if row in states.min_tokens]
+        if not pending:
+            return logits
+        starts = np.concatenate(([0], np.cumsum(1 + step.num_spec[step.samples])[:-1]))
+        counts = 1 + step.num_spec[step.samples]
+        masked = logits.clone()
+        for j, row in pending:
+            min_tokens, stops = states.min_tokens[row]
+            stops = [t for t in stops if t < masked.shape[1]]  # offline ids are unchecked
+            produced = int(states.num_tokens[row] - states.num_prompt[row])
+            masked_rows = min(max(min_tokens - produced, 0), int(counts[j]))
+            if masked_rows:
+                start = int(starts[j])
+                masked[start:start + masked_rows, stops] = float("-inf")
+        return masked
 
     def _logprobs(self, step: PreparedStep, logits: torch.Tensor,
                   emitted: list[list[int]]) -> dict[str, list[Logprobs]]:

@@ -31,6 +31,9 @@ class RequestStates:
         self.min_p = np.zeros(max_num_seqs, dtype=np.float32)
         self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)  # -1: none asked
         self.seeds: dict[int, int] = {}  # row -> seed, for seeded random requests
+        # row -> (min_tokens, the token ids it keeps from being sampled until then), for
+        # requests with min_tokens > 0 and something to suppress.
+        self.min_tokens: dict[int, tuple[int, list[int]]] = {}
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
@@ -41,6 +44,7 @@ class RequestStates:
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self.seeds.pop(row, None)
+            self.min_tokens.pop(row, None)
             self._free_rows.append(row)
 
     def add(self, new: NewRequestData) -> None:
@@ -64,6 +68,11 @@ class RequestStates:
         if params.seed is not None and params.temperature > 0:
             # Its draws are keyed by (seed, position): never by the batch or the drafts.
             self.seeds[row] = params.seed
+        stops = list(params.stop_token_ids)
+        if new.eos_token_id is not None and not params.ignore_eos:
+            stops.append(new.eos_token_id)
+        if params.min_tokens > 0 and stops:
+            self.min_tokens[row] = (params.min_tokens, stops)
 
     def update(self, req_id: str, new_block_ids: list[int], num_computed_tokens: int) -> None:
         """A running request's step (`CachedRequestData` entry)."""

@@ -17,6 +17,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # The request's end-of-sequence token: until min_tokens, the runner keeps it (and
+    # the stop token ids) from being sampled.
+    eos_token_id: int | None = None
 
 
 @dataclass(frozen=True)

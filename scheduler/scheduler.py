@@ -337,6 +337,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=self.kv.block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
+            eos_token_id=request.eos_token_id,
         )
 
     # ---- results back ----------------------------------------------------------

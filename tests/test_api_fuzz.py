@@ -145,7 +145,8 @@ def test_schema_valid_bodies(http: httpx.Client, schemas: dict[str, dict[str, An
 
 
 # Fields the server refuses whenever they would change the result (protocol.py's policy).
-UNSUPPORTED = {"logit_bias", "presence_penalty", "frequency_penalty", "echo", "suffix",
+UNSUPPORTED = {"logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
+               "echo", "suffix",
                "best_of", "tools", "tool_choice", "functions", "function_call",
                "response_format", "model"}
 
@@ -158,6 +159,8 @@ def servable(schema: dict[str, Any], endpoint: str) -> dict[str, Any]:
     for name in ("max_tokens", "max_completion_tokens"):
         if name in properties:
             properties[name] = {"type": "integer", "minimum": 1, "maximum": 6}
+    if "min_tokens" in properties:  # at most max_tokens' smallest value
+        properties["min_tokens"] = {"type": "integer", "minimum": 0, "maximum": 1}
     required = ["prompt"] if endpoint == "completions" else ["messages"]
     return {**schema, "properties": properties, "required": required}
 
@@ -184,6 +187,43 @@ def test_fields_holding_arbitrary_json(http: httpx.Client, schemas: dict[str, di
     base = {"prompt": "hi"} if endpoint == "completions" else {
         "messages": [{"role": "user", "content": "hi"}]}
     post(http, PATHS[endpoint], {**base, "max_tokens": 4, **body})
+
+
+INTEGER_FIELDS = ("max_tokens", "n", "seed", "top_k", "logprobs", "priority", "min_tokens")
+
+
+@FUZZ
+@given(name=st.sampled_from(INTEGER_FIELDS), value=st.booleans())
+def test_booleans_are_never_integers(http: httpx.Client, name: str, value: bool) -> None:
+    response = http.post(PATHS["completions"], json={"prompt": "hi", "max_tokens": 2,
+                                                     name: value})
+    assert response.status_code == 400, (name, response.text)
+    assert response.json()["error"]["param"] == name
+
+
+@FUZZ
+@given(prompt=st.text(st.characters(min_codepoint=0x80, max_codepoint=0x1FAFF,
+                                    categories=("L", "S")), min_size=1, max_size=6),
+       top=st.integers(1, 5), stream=st.booleans())
+def test_completion_logprobs_keep_their_size_and_offsets(http: httpx.Client, prompt: str,
+                                                         top: int, stream: bool) -> None:
+    """Random weights pick tokens holding parts of characters often: every position
+    still names `top` distinct candidates, and every text_offset lies in the text."""
+    body = {"prompt": prompt, "max_tokens": 4, "logprobs": top, "temperature": 1.0,
+            "seed": 0, "ignore_eos": True, "stream": stream}
+    response = http.post(PATHS["completions"], json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: {")]
+        choices = [c["choices"][0] for c in chunks if c["choices"]]
+    else:
+        choices = response.json()["choices"]
+    text = "".join(c["text"] for c in choices)
+    tops = [t for c in choices if c["logprobs"] for t in c["logprobs"]["top_logprobs"]]
+    offsets = [o for c in choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert len(tops) == 4 and all(len(t) == top for t in tops), tops
+    assert offsets == sorted(offsets) and all(0 <= o <= len(text) for o in offsets)
 
 
 @FUZZ

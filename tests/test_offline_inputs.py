@@ -74,3 +74,42 @@ def test_chat_accepts_text_parts_as_the_server_does(llm: LLM) -> None:
     (a,) = llm.chat(parts, PARAMS, use_tqdm=False)
     (b,) = llm.chat(plain, PARAMS, use_tqdm=False)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_offline_logprobs_are_the_servers(llm: LLM) -> None:
+    """Offline outputs carry the logprobs the server reports for the same request (the
+    same values and token names, "bytes:" ones included), and their sum (item 12)."""
+    from openai import OpenAI
+
+    from tests.server_helpers import MODEL_NAME, make_engine, serve
+
+    prompt = "😀😃😄😁"
+    params = SamplingParams(max_tokens=5, logprobs=3, ignore_eos=True)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    completion = out.outputs[0]
+    assert completion.logprobs is not None and len(completion.logprobs) == 5
+    engine = make_engine(max_model_len=128)
+    try:
+        with serve(engine) as server:
+            client = OpenAI(base_url=server.base_url + "/v1", api_key="-", max_retries=0)
+            served = client.completions.create(
+                model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=0, logprobs=3,
+                extra_body={"ignore_eos": True}).choices[0].logprobs
+    finally:
+        engine.shutdown()
+    assert served is not None and served.top_logprobs is not None
+    for i, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs,
+                                              strict=True)):
+        sampled = entry[token_id]
+        assert served.tokens[i] == sampled.decoded_token
+        assert served.token_logprobs[i] == sampled.logprob
+        top = {e.decoded_token: e.logprob for e in entry.values() if e.rank is not None}
+        assert served.top_logprobs[i] == top
+        assert sampled.rank == 1  # greedy
+    assert any(lp.decoded_token.startswith("bytes:") for e in completion.logprobs
+               for lp in e.values())
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs,
+                                         strict=True)))
+    (plain,) = llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None

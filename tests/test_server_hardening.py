@@ -157,6 +157,39 @@ def test_chat_logprob_bytes_rebuild_emoji(server: ServerThread) -> None:
     assert any(ord(c) > 0xFFFF for c in choice.message.content)  # really an emoji
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_name_partial_characters_by_their_bytes(
+        server: ServerThread, stream: bool) -> None:
+    """Tokens holding part of a UTF-8 character are "bytes:\\xNN" (as vLLM), so the top
+    candidates stay distinct keys at the requested size, the sampled token's logprob is
+    its own, and every text_offset lies inside the text (issue 20 item 2)."""
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    request = dict(model=MODEL_NAME, prompt="😀😃😄😁😆😅😂🤣", max_tokens=6, temperature=0,
+                   logprobs=5, extra_body={"ignore_eos": True})
+    if stream:
+        tokens, top, token_lps, offsets, text = [], [], [], [], ""
+        for chunk in client.completions.create(stream=True, **request):  # type: ignore[call-overload]
+            choice = chunk.choices[0]
+            text += choice.text
+            if choice.logprobs:
+                tokens += choice.logprobs.tokens
+                top += choice.logprobs.top_logprobs
+                token_lps += choice.logprobs.token_logprobs
+                offsets += choice.logprobs.text_offset
+    else:
+        choice = client.completions.create(**request).choices[0]  # type: ignore[call-overload]
+        assert choice.logprobs is not None
+        tokens, top = choice.logprobs.tokens, choice.logprobs.top_logprobs
+        token_lps, offsets = choice.logprobs.token_logprobs, choice.logprobs.text_offset
+        text = choice.text
+    assert len(tokens) == 6 and any(t.startswith("bytes:\\x") for t in tokens), tokens
+    assert all(len(candidates) == 5 for candidates in top), top
+    for token, lp, candidates in zip(tokens, token_lps, top, strict=True):
+        if token in candidates:  # greedy: the sampled token is the best candidate
+            assert candidates[token] == lp == max(candidates.values())
+    assert offsets == sorted(offsets) and all(0 <= o <= len(text) for o in offsets)
+
+
 # ---- item 3: a runner fault tied to one request --------------------------------------
 
 MARK = 4242  # a prompt starting with this token id makes the runner fail
