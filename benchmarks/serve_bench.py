@@ -1,17 +1,17 @@
 """Serving benchmark: streaming completions over HTTP, speculation off vs on.
 
-With `--self-contained` (the default when no `--base-url` is given) it loads the
-default model once, then serves it in this process twice in turn, on 127.0.0.1 at a
-free port: speculation off, then ngram (prompt lookup) K=3. Each server gets the same
-concurrency sweep of streaming /v1/chat/completions over short editing tasks
-(`engine.bench.EDIT_PROMPTS`: fix a typo, add type hints, ...; greedy, so both
+With `--self-contained` (the default when no `--base-url` is given) it runs
+`specbudget serve` twice in turn, each in its own process on 127.0.0.1 at a free port
+(the client stays in this one): speculation off, then ngram (prompt lookup) K=3.
+Each server gets the same concurrency sweep of streaming /v1/chat/completions over
+short editing tasks (`engine.bench.EDIT_PROMPTS`: fix a typo, add type hints, ...; greedy, so both
 servers produce the very same tokens, and speculation can only change the time). The
 client (`engine/bench.py`) records TTFT, TPOT, ITL and e2e per request, throughput
 per run, and acceptance from the server's /metrics spec-decode counters. Writes JSON
 and a PNG plot. `--endpoint completions` uses raw completion prompts instead.
 
-The client and the server share this machine's CPU, and on CPU the model's forward
-dominates; compare the two series within one run.
+The client and the server share this machine's cores (not a process); compare the two
+series within one run.
 
     python benchmarks/serve_bench.py [--quick] [--out JSON] [--plot PNG]
     python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000   # a running server
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make the repo's packages importable
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import serve_and_sweep  # noqa: E402
+from benchmarks.common import engine_cli_args, serve_and_sweep  # noqa: E402
 from engine import bench  # noqa: E402
 from engine.bench_plot import plot_series  # noqa: E402
 
@@ -42,22 +42,13 @@ MODEL_NAME = "smollm2-135m"
 
 def run_self_contained(base: bench.LoadConfig, concurrencies: list[int],
                        engine_args: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """Each SERIES entry served in turn over one loaded model; the sweep against each."""
-    import torch
-
-    from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
-    from runner.model_loader import load_model
-    from runner.model_prep import resolve_model
-    from spec_decode import SpeculativeConfig
-
-    model = load_model(resolve_model(None), torch.float32, torch.device("cpu"))
+    """Each SERIES entry served in turn by `specbudget serve` in its own process; the
+    sweep against each from this one."""
     series = {}
     for label, spec in SERIES.items():
-        config = EngineConfig(speculative_config=SpeculativeConfig.from_dict(spec),
-                              **engine_args)
-        engine = AsyncEngine(config, model=model, log_interval_s=1e9)
-        series[label] = serve_and_sweep(engine, MODEL_NAME, label, base, concurrencies)
+        options = {**engine_args, **({"speculative_config": spec} if spec else {})}
+        series[label] = serve_and_sweep(engine_cli_args(options), MODEL_NAME, label, base,
+                                        concurrencies)
     return series
 
 
@@ -112,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         where = args.base_url
     else:
         series = run_self_contained(base, concurrencies, engine_args)
-        where = "in-process, 127.0.0.1"
+        where = "specbudget serve in its own process, 127.0.0.1"
     out = Path(args.out or RESULTS / f"serve_bench{'_quick' if quick else ''}.json")
     plot = Path(args.plot or out.with_suffix(".png"))
     report = {

@@ -1,19 +1,22 @@
-"""Serving with data-parallel replicas: one engine, one replica on Ray, two replicas.
+"""Serving through HTTP against the engine's own capacity, and with data-parallel replicas.
 
-Three servers in turn, each in this process on 127.0.0.1 at a free port, each loaded
-by `specbudget bench serve`'s client (engine/bench.py) with the same concurrency sweep
-of streaming completions (greedy, `ignore_eos`, so every request makes exactly
-max_tokens tokens):
+Each series is `specbudget serve` in its own process on 127.0.0.1 at a free port, loaded
+by `specbudget bench serve`'s client (engine/bench.py) from this process, with the same
+concurrency sweep of streaming completions (greedy, `ignore_eos`, so every request
+makes exactly max_tokens tokens):
 
-- **one engine**: `AsyncEngine` in this process (what `specbudget serve` runs for N = 1),
-  all cores;
-- **Ray N=1**: `DataParallelEngine` with one replica (all cores): the same engine behind
-  the data-parallel front end and one Ray hop. Its TTFT and ITL over one engine's, at
-  concurrency 1, are the front end's added latency per request and per streamed token;
-- **Ray N=2**: two replicas, the cores split between them.
+- **one engine**: `specbudget serve` (the engine in the server's process, all cores);
+- **Ray N=2**: `specbudget serve --data-parallel-size 2`, two replicas on Ray, the cores
+  split between them.
 
-On this 2-core machine the replicas share two cores, so N = 2 cannot double anything;
-the point is what it gives and what the front end costs. JSON and a PNG plot.
+And the **offline capacity** of the same engine settings: `LLM.generate` on the same
+prompts and shapes with `max_num_seqs` = the concurrency, in this process with no
+server. Served ÷ offline at each concurrency is the share of the engine's capacity the
+HTTP front end leaves to clients. (Until this revision the client ran in the server's
+process, and its one-engine figure measured mostly GIL contention with the client.)
+
+On this 2-core machine the replicas share two cores, so N = 2 cannot double anything.
+JSON and a PNG plot.
 
     python benchmarks/serve_dp.py [--quick] [--concurrency 1,4,16] [--out JSON]
 """
@@ -33,51 +36,62 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make the repo's packages importable
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import serve_and_sweep  # noqa: E402
+from benchmarks.common import engine_cli_args, serve_and_sweep  # noqa: E402
 from engine import bench  # noqa: E402
 from engine.bench_plot import plot_series  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MODEL_NAME = "smollm2-135m"
-SERIES = ("one engine", "Ray N=1", "Ray N=2")
-
-
-def _engine(label: str, config: EngineConfig) -> Any:
-    cores = os.cpu_count() or 1
-    if label == "one engine":
-        from engine.async_engine import AsyncEngine
-
-        return AsyncEngine(config, log_interval_s=1e9)
-    from engine.data_parallel import DataParallelEngine
-
-    size = int(label.rsplit("=", 1)[1])
-    engine = DataParallelEngine(config, size, model_name=MODEL_NAME,
-                                num_threads=max(1, cores // size))
-    engine.wait_ready(every=True)
-    return engine
+SERIES = {"one engine": [], "Ray N=2": ["--data-parallel-size", "2"]}
 
 
 def run_series(base: bench.LoadConfig, concurrencies: list[int],
-               config: EngineConfig) -> dict[str, list[dict[str, Any]]]:
-    return {label: serve_and_sweep(_engine(label, config), MODEL_NAME, label, base,
-                                   concurrencies) for label in SERIES}
+               engine_args: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    series = {}
+    for label, extra in SERIES.items():
+        series[label] = serve_and_sweep(engine_cli_args(engine_args) + extra, MODEL_NAME,
+                                        label, base, concurrencies)
+    return series
 
 
-def front_end_cost(series: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Ray N=1 minus one engine at the lowest concurrency: added ms per request (TTFT
-    p50) and per streamed token (ITL p50); then N=2 over one engine in throughput."""
-    one, ray1, ray2 = (series[label][0] for label in SERIES)
+def offline_capacity(base: bench.LoadConfig, concurrencies: list[int],
+                     engine_args: dict[str, Any]) -> list[dict[str, Any]]:
+    """Output tokens/s of `LLM.generate` on the sweep's prompts and shapes, at
+    max_num_seqs = each concurrency: what the engine does with no server at all."""
+    from engine.llm import LLM
+    from scheduler import SamplingParams
+
+    pool = bench.default_prompts(base.endpoint)
+    prompts = [pool[i % len(pool)] for i in range(base.num_prompts)]
+    params = SamplingParams(max_tokens=base.max_tokens, ignore_eos=True)
+    runs = []
+    for concurrency in concurrencies:
+        llm = LLM(**{**engine_args, "max_num_seqs": concurrency})
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        runs.append({"concurrency": concurrency, "output_throughput": tokens / elapsed})
+    return runs
+
+
+def front_end_share(series: dict[str, list[dict[str, Any]]],
+                    offline: list[dict[str, Any]]) -> dict[str, Any]:
+    """Served ÷ offline output tok/s per concurrency (one engine), and N=2 ÷ one engine."""
+    one, two = series["one engine"], series["Ray N=2"]
     return {
-        "concurrency": one["concurrency"],
-        "added_ttft_ms_p50": round(ray1["ttft_ms"]["p50"] - one["ttft_ms"]["p50"], 2),
-        "added_itl_ms_p50": round(ray1["itl_ms"]["p50"] - one["itl_ms"]["p50"], 3),
-        "ttft_ms_p50": {"one engine": one["ttft_ms"]["p50"], "Ray N=1": ray1["ttft_ms"]["p50"]},
-        "itl_ms_p50": {"one engine": one["itl_ms"]["p50"], "Ray N=1": ray1["itl_ms"]["p50"]},
-        "throughput_ratio_n2_over_one_engine": [
-            round(b["output_throughput"] / a["output_throughput"], 3)
-            for a, b in zip(series["one engine"], series["Ray N=2"], strict=True)],
-        "ray_n2_ttft_ms_p50": ray2["ttft_ms"]["p50"],
+        "concurrency": [run["concurrency"] for run in one],
+        "served_tok_s": [round(run["output_throughput"], 1) for run in one],
+        "offline_tok_s": [round(run["output_throughput"], 1) for run in offline],
+        "served_over_offline": [round(a["output_throughput"] / b["output_throughput"], 3)
+                                for a, b in zip(one, offline, strict=True)],
+        "n2_over_one_engine": [round(b["output_throughput"] / a["output_throughput"], 3)
+                               for a, b in zip(one, two, strict=True)],
+        "ttft_ms_p50": {label: [run["ttft_ms"]["p50"] for run in runs]
+                        for label, runs in series.items()},
+        "itl_ms_p50": {label: [run["itl_ms"]["p50"] for run in runs]
+                       for label, runs in series.items()},
     }
 
 
@@ -97,19 +111,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     base = bench.LoadConfig(num_prompts=args.num_prompts or (4 if quick else 32),
                             max_tokens=args.max_tokens or (8 if quick else 32),
                             ignore_eos=True)
-    config = EngineConfig(max_num_batched_tokens=256, max_num_seqs=16, max_model_len=512,
-                          kv_cache_memory_bytes=64 << 20)
+    engine_args = {"max_num_batched_tokens": 256, "max_num_seqs": max(16, *concurrencies),
+                   "max_model_len": 512, "kv_cache_memory_bytes": 64 << 20}
     start = time.perf_counter()
-    series = run_series(base, concurrencies, config)
+    series = run_series(base, concurrencies, engine_args)
+    offline = offline_capacity(base, concurrencies, engine_args)
     out = Path(args.out or RESULTS / f"serve_dp{'_quick' if quick else ''}.json")
     report = {
         "benchmark": "serve_dp", "model": MODEL_NAME, "quick": quick,
         "concurrency": concurrencies, "num_prompts": base.num_prompts,
         "max_tokens": base.max_tokens, "cores": os.cpu_count(),
-        "engine": {"max_num_batched_tokens": 256, "max_num_seqs": 16,
-                   "max_model_len": 512, "kv_cache_memory_bytes": 64 << 20},
+        "engine": engine_args, "offline": offline,
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
-        "front_end": front_end_cost(series),
+        "front_end": front_end_share(series, offline),
         "wall_s": time.perf_counter() - start, "series": series,
     }
     out.parent.mkdir(parents=True, exist_ok=True)

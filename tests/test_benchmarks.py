@@ -125,19 +125,31 @@ def test_scheduler_work_counts_calls_per_request(tmp_path: Path) -> None:
     assert rows["ngram"]["calls_per_running_request"] > rows["off"]["calls_per_running_request"]
 
 
-def test_serve_dp_front_end_cost_reads_the_lowest_concurrency() -> None:
-    from benchmarks.serve_dp import SERIES, front_end_cost
+def test_serve_dp_front_end_share_is_served_over_offline() -> None:
+    from benchmarks.serve_dp import front_end_share
 
-    def run(ttft: float, itl: float, tput: float) -> dict:
-        return {"concurrency": 1, "ttft_ms": {"p50": ttft}, "itl_ms": {"p50": itl},
+    def run(c: int, tput: float) -> dict:
+        return {"concurrency": c, "ttft_ms": {"p50": 10.0}, "itl_ms": {"p50": 2.0},
                 "output_throughput": tput}
 
-    series = dict(zip(SERIES, ([run(100, 20, 50), run(0, 0, 90)],
-                               [run(104, 20.5, 48), run(0, 0, 80)],
-                               [run(110, 30, 40), run(0, 0, 99)]), strict=True))
-    cost = front_end_cost(series)
-    assert cost["added_ttft_ms_p50"] == 4 and cost["added_itl_ms_p50"] == 0.5
-    assert cost["throughput_ratio_n2_over_one_engine"] == [0.8, 1.1]
+    series = {"one engine": [run(1, 40), run(16, 150)], "Ray N=2": [run(1, 36), run(16, 180)]}
+    offline = [{"concurrency": 1, "output_throughput": 50},
+               {"concurrency": 16, "output_throughput": 200}]
+    share = front_end_share(series, offline)
+    assert share["served_over_offline"] == [0.8, 0.75]
+    assert share["n2_over_one_engine"] == [0.9, 1.2]
+    assert share["ttft_ms_p50"] == {"one engine": [10.0, 10.0], "Ray N=2": [10.0, 10.0]}
+
+
+def test_serve_dp_quick_runs_the_servers_in_their_own_processes(tmp_path: Path) -> None:
+    from benchmarks import serve_dp
+
+    report = serve_dp.main(["--quick", "--concurrency", "2", "--num-prompts", "2",
+                            "--max-tokens", "4", "--out", str(tmp_path / "d.json")])
+    assert list(report["series"]) == ["one engine", "Ray N=2"]
+    assert all(runs[0]["completed"] == 2 for runs in report["series"].values())
+    assert report["front_end"]["served_over_offline"][0] > 0
+    assert (tmp_path / "d.png").exists()
 
 
 def test_cpu_forward_quick(tmp_path: Path) -> None:

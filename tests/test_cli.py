@@ -251,7 +251,8 @@ def test_bench_serve_refused_connection_is_one_line(capsys: pytest.CaptureFixtur
 
 
 def test_serve_bench_script_self_contained(tmp_path: Path) -> None:
-    """benchmarks/serve_bench.py: two in-process servers in turn, spec off then ngram."""
+    """benchmarks/serve_bench.py: two `specbudget serve` processes in turn, spec off then
+    ngram, the client in this process."""
     from benchmarks import serve_bench
 
     report = serve_bench.main(["--quick", "--concurrency", "2", "--num-prompts", "2",
