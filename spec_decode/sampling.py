@@ -1,19 +1,17 @@
 """Sampling maths shared by the sampler (runner/sampler.py) and the rejection sampler
 (spec_decode/rejection_sampler.py): per-row sampling metadata, the top-k / top-p /
 min-p filters, the exponential race, and the (seed, position)-keyed noise of seeded
-requests. A leaf: it imports nothing of the project's but SamplingParams, so neither
-user reaches up into the other. Not imported by `spec_decode/__init__` (torch).
+requests. A leaf: it imports nothing of the project's, so neither user reaches up into
+the other (and spec_decode never imports the scheduler). Not imported by
+`spec_decode/__init__` (torch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from scheduler.request import SamplingParams
 
 # Temperatures below this are greedy: dividing by them would overflow fp32 logits.
 SAMPLING_EPS = 1e-5
@@ -113,27 +111,6 @@ class SamplingMetadata:
             no_top_k=not bool((random & (top_k > 0)).any()),
             no_min_p=not bool((random & (min_p > 0.0)).any()),
             max_num_logprobs=max_num_logprobs,
-        )
-
-    @classmethod
-    def from_sampling_params(
-        cls,
-        params: Sequence[SamplingParams],
-        seeds: dict[int, int] | None = None,
-        device: torch.device | str = "cpu",
-        positions: np.ndarray | None = None,
-    ) -> SamplingMetadata:
-        """Build for rows `params[0..N)`; `seeds` is keyed by row (tests, simple callers)."""
-        num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        return cls.from_arrays(
-            temperature=np.array([p.temperature for p in params], dtype=np.float32),
-            top_p=np.array([p.top_p for p in params], dtype=np.float32),
-            top_k=np.array([p.top_k for p in params], dtype=np.int64),
-            min_p=np.array([p.min_p for p in params], dtype=np.float32),
-            seeds=seeds or {},
-            max_num_logprobs=max(num_logprobs) if num_logprobs else None,
-            device=device,
-            positions=positions,
         )
 
 

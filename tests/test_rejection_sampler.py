@@ -19,6 +19,7 @@ from spec_decode.rejection_sampler import (
     make_rejection_sampler,
 )
 from spec_decode.sampling import SamplingMetadata, exponential_race
+from tests.sampling_helpers import sampling_metadata
 from tests.test_sampler import chi2_critical, chi2_statistic
 
 VOCAB = 8
@@ -27,7 +28,7 @@ NEG_INF = float("-inf")
 
 def metadata(temperatures: list[float], seeds: dict[int, int] | None = None,
              device: str = "cpu", **params: float) -> SamplingMetadata:
-    return SamplingMetadata.from_sampling_params(
+    return sampling_metadata(
         [SamplingParams(temperature=t, **params) for t in temperatures],  # type: ignore[arg-type]
         seeds, device=device)
 
@@ -449,12 +450,12 @@ def test_seeded_one_hot_verification_emits_what_the_sampler_would() -> None:
     position = 40
     want = []
     for j in range(5):
-        meta = SamplingMetadata.from_sampling_params(
+        meta = sampling_metadata(
             [SamplingParams(temperature=1.0)], {0: 77}, positions=np.array([position + j]))
         want.append(int(Sampler()(logits[j:j + 1], meta).sampled_token_ids[0]))
     for drafts in ([want[0], want[1], want[2], want[3]], [want[0], 0, 0, 0],
                    [(want[0] + 1) % VOCAB] * 4, [want[0], want[1], (want[2] + 1) % VOCAB, 1]):
-        meta = SamplingMetadata.from_sampling_params(
+        meta = sampling_metadata(
             [SamplingParams(temperature=1.0)], {0: 77}, positions=np.array([position]))
         out = RejectionSampler()(torch.tensor(drafts), [4], None, logits, meta)[0].tolist()
         emitted = [t for t in out if t >= 0]

@@ -11,7 +11,8 @@ import torch
 
 from runner.sampler import Sampler, SamplerOutput
 from scheduler.request import SamplingParams
-from spec_decode.sampling import SamplingMetadata, apply_min_p, apply_top_k_top_p, position_seed
+from spec_decode.sampling import apply_min_p, apply_top_k_top_p, position_seed
+from tests.sampling_helpers import sampling_metadata
 
 VOCAB = 64
 
@@ -19,7 +20,7 @@ VOCAB = 64
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            seeds: dict[int, int] | None = None, position: int = 0) -> SamplerOutput:
     positions = np.full(len(params), position, dtype=np.int64)
-    meta = SamplingMetadata.from_sampling_params(params, seeds, positions=positions)
+    meta = sampling_metadata(params, seeds, positions=positions)
     return Sampler()(logits, meta)
 
 
@@ -86,7 +87,7 @@ def test_temperature_to_zero_approaches_greedy() -> None:
     cold = sample(logits, [SamplingParams(temperature=1e-3)] * 16).sampled_token_ids
     assert torch.equal(cold, greedy)
     # Below the sampling epsilon a temperature is greedy outright, never a division.
-    meta = SamplingMetadata.from_sampling_params([SamplingParams(temperature=1e-7)])
+    meta = sampling_metadata([SamplingParams(temperature=1e-7)])
     assert meta.all_greedy and float(meta.temperature[0]) == 0.0
 
 
@@ -257,7 +258,7 @@ def test_edge_values_are_no_ops() -> None:
         want = sample(logits, [plain] * 4 + [plain], gens_a).sampled_token_ids[:4]
         got = sample(logits, [edge] * 4 + [active], gens_b).sampled_token_ids[:4]
         assert torch.equal(got, want)
-    meta = SamplingMetadata.from_sampling_params([edge])
+    meta = sampling_metadata([edge])
     assert meta.no_top_k is False and meta.no_top_p and meta.no_min_p
 
 
