@@ -1,5 +1,5 @@
 PYTHON ?= python3
-CORE := scheduler spec_decode runner engine training
+CORE := scheduler spec_decode runner engine training specbudget
 
 .PHONY: install lint test test-heavy simulate bench
 

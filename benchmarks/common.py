@@ -67,7 +67,7 @@ def server_process(serve_args: list[str], start_timeout: float = 600) -> Iterato
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "specbudget", "serve", "--port", str(port),
                              "--log-level", "warning", *serve_args], cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -10,7 +10,6 @@ import httpx
 import pytest
 import torch
 
-from engine import cli
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.local_server import serve_in_thread
@@ -18,6 +17,7 @@ from runner.model_loader import load_model
 from runner.model_prep import resolve_model
 from runner.models.llama import LlamaForCausalLM
 from spec_decode import SpeculativeConfig
+from specbudget import cli
 
 
 @pytest.fixture(scope="module")

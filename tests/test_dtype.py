@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import cli
 from engine.config import EngineConfig
 from runner.config import RunnerConfig
 from runner.dtype import cpu_flags, resolve_dtype
+from specbudget import cli
 
 
 @pytest.mark.parametrize(("flags", "expected"), [

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine.cli import main
+from specbudget.cli import main
 
 
 def test_scheduler_and_spec_config_load_no_torch() -> None:

@@ -29,7 +29,7 @@ def free_port() -> int:
 def serve_process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--max-model-len",
+        [sys.executable, "-m", "specbudget", "serve", "--port", str(port), "--max-model-len",
          "512", "--kv-cache-memory", "64M", "--log-level", "warning", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
@@ -87,7 +87,7 @@ def test_sigterm_ends_requests_in_flight_after_the_shutdown_timeout() -> None:
 
 def test_serve_refuses_to_start_with_a_kv_cache_too_small_for_one_request() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "serve", "--port", str(free_port()),
+        [sys.executable, "-m", "specbudget", "serve", "--port", str(free_port()),
          "--max-model-len", "2048", "--kv-cache-memory", "16M"],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0

@@ -139,9 +139,9 @@ def test_train_drafter_command_writes_a_head_that_serves(tmp_path: Path,
     import json
 
     import runner.drafter as drafter
-    from engine.cli import main
     from engine.llm import LLM
     from scheduler import SamplingParams
+    from specbudget.cli import main
 
     out = tmp_path / "head"
     assert main(["train-drafter", "--tokens", "512", "--updates", "4", "--max-prompts", "2",
