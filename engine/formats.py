@@ -13,7 +13,7 @@ from engine.output import Logprobs, RequestDelta
 from scheduler import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.server import _OpenAIServer
+    from engine.tokenizer import Tokenizer
 
 
 @dataclass
@@ -152,17 +152,18 @@ class ModelList(BaseModel):
 class Format:
     """How one endpoint writes choices, chunks and the final response."""
 
-    def __init__(self, server: _OpenAIServer, job: Job, num_logprobs: int | None) -> None:
-        self.server = server
+    def __init__(self, model_name: str, tokenizer: Tokenizer, job: Job,
+                 num_logprobs: int | None) -> None:
+        self.tokenizer = tokenizer
         self.job = job
         self.num_logprobs = num_logprobs  # None: no logprobs asked
-        self.model = server.model_name
+        self.model = model_name
 
     def token_text(self, token_id: int) -> str:
-        return self.server.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def token_string(self, token_id: int) -> str:
-        return self.server.engine.tokenizer.logprob_token(token_id)
+        return self.tokenizer.logprob_token(token_id)
 
     def usage(self, states: list[ChoiceState]) -> UsageInfo:
         prompt = len(self.job.prompt_token_ids)
@@ -189,7 +190,6 @@ class CompletionFormat(Format):
         if self.num_logprobs is None:
             return None
         out = CompletionLogprobs()
-        tokenizer = self.server.engine.tokenizer
         for token_ids, lps in entries:
             out.tokens.append(self.token_string(token_ids[0]))
             out.token_logprobs.append(lps[0])
@@ -198,7 +198,7 @@ class CompletionFormat(Format):
                 top.setdefault(self.token_string(t), lp)  # best first: a clash keeps it
             out.top_logprobs.append(top)
             out.text_offset.append(min(state.text_offset, len(state.text)))
-            state.text_offset += len(state.utf8.decode(tokenizer.token_bytes(token_ids[0])))
+            state.text_offset += len(state.utf8.decode(self.tokenizer.token_bytes(token_ids[0])))
         return out
 
     def chunk(self, index: int, delta: RequestDelta, state: ChoiceState) -> dict[str, Any]:
@@ -238,7 +238,7 @@ class ChatFormat(Format):
         # The token's own bytes: a byte-level token holding part of a character (an
         # emoji is three of them) decodes to U+FFFD, but its bytes joined rebuild it.
         return TopLogprob(token=self.token_text(token_id), logprob=logprob,
-                          bytes=list(self.server.engine.tokenizer.token_bytes(token_id)))
+                          bytes=list(self.tokenizer.token_bytes(token_id)))
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None
                ) -> dict[str, Any]:

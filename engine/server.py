@@ -150,7 +150,7 @@ class _OpenAIServer:
         max_tokens = P.effective_max_tokens(req.max_tokens, P.DEFAULT_COMPLETION_MAX_TOKENS,
                                             len(ids), self.limits, "prompt")
         job = self._job("cmpl", req, ids, max_tokens, req.logprobs)
-        return job, CompletionFormat(self, job, req.logprobs)
+        return job, CompletionFormat(self.model_name, self.engine.tokenizer, job, req.logprobs)
 
     def chat_job(self, raw: bytes) -> tuple[Job, Format]:
         req = P.parse_body(raw, P.ChatCompletionRequest)
@@ -171,7 +171,7 @@ class _OpenAIServer:
                                             param)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         job = self._job("chatcmpl", req, ids, max_tokens, num_logprobs)
-        return job, ChatFormat(self, job, num_logprobs)
+        return job, ChatFormat(self.model_name, self.engine.tokenizer, job, num_logprobs)
 
     # ---- serving ------------------------------------------------------------------
 
