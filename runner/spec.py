@@ -20,7 +20,19 @@ from runner.request_states import RequestStates
 from spec_decode import SpeculativeConfig
 from spec_decode.passes import StepResult
 from spec_decode.proposer import TokenProposer
+from spec_decode.rejection_sampler import RejectionSampler
 from spec_decode.sampling import SamplingMetadata
+
+
+def make_rejection_sampler(device: torch.device | str) -> RejectionSampler:
+    """Triton kernels on CUDA, the torch reference elsewhere. Here, in the runner that
+    calls it, not beside the base class the Triton sampler derives from (spec_decode
+    stays free of import cycles)."""
+    if torch.device(device).type == "cuda":
+        from spec_decode.triton_rejection import TritonRejectionSampler
+
+        return TritonRejectionSampler()
+    return RejectionSampler()
 
 
 class SpecDecoder:
@@ -41,9 +53,6 @@ class SpecDecoder:
         else:
             self.drafter = ModelDrafter(spec, target, buffers, states, block_size, attn,
                                         max_num_batched_tokens, target_path)
-        from spec_decode.rejection_sampler import make_rejection_sampler
-
-        # Triton kernels on CUDA, the torch reference elsewhere.
         self.rejection = make_rejection_sampler(target.lm_head.weight.device)
 
     @property

@@ -333,12 +333,3 @@ def _check_shapes(layout: DraftLayout, draft_token_ids: torch.Tensor,
     if sampling.temperature.shape != (num_reqs,):
         raise ValueError(f"sampling has {sampling.temperature.shape[0]} rows, "
                          f"expected {num_reqs} (one per request)")
-
-
-def make_rejection_sampler(device: torch.device | str) -> RejectionSampler:
-    """Triton kernels on CUDA, the torch reference elsewhere."""
-    if torch.device(device).type == "cuda":
-        from spec_decode.triton_rejection import TritonRejectionSampler
-
-        return TritonRejectionSampler()
-    return RejectionSampler()

@@ -16,7 +16,6 @@ from spec_decode.rejection_sampler import (
     RandomDraws,
     RejectionSampler,
     draw_random,
-    make_rejection_sampler,
 )
 from spec_decode.sampling import SamplingMetadata, exponential_race
 from tests.sampling_helpers import sampling_metadata
@@ -413,11 +412,14 @@ def test_triton_verify_matches_torch_on_explicit_draws_and_ties() -> None:
 
 
 def test_factory_picks_torch_on_cpu() -> None:
+    from runner.spec import make_rejection_sampler
+
     assert type(make_rejection_sampler("cpu")) is RejectionSampler
 
 
 @pytest.mark.gpu
 def test_triton_on_cuda_matches_torch() -> None:
+    from runner.spec import make_rejection_sampler
     from spec_decode.triton_rejection import TritonRejectionSampler
 
     assert isinstance(make_rejection_sampler("cuda"), TritonRejectionSampler)

@@ -33,16 +33,3 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
-
-
-def get_attention_backend(name: str) -> AttentionBackend:
-    """"torch" (any device, the CPU runtime path) or "triton" (CUDA)."""
-    if name == "torch":
-        from runner.attention.torch_paged import TorchPagedAttention
-
-        return TorchPagedAttention()
-    if name == "triton":
-        from runner.attention.triton_paged import TritonPagedAttention
-
-        return TritonPagedAttention()
-    raise ValueError(f"attention backend {name!r} is not supported; choose torch or triton")
