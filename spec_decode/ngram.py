@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from spec_decode.config import SpeculativeConfig
 from spec_decode.proposer import TokenProposer
+from spec_decode.settings import MethodSettings
 
 DEFAULT_MAX_WINDOW = 4096
 
@@ -70,7 +70,7 @@ class NgramProposer(TokenProposer):
         self.max_window = max_window
 
     @classmethod
-    def from_config(cls, cfg: SpeculativeConfig) -> NgramProposer:
+    def from_config(cls, cfg: MethodSettings) -> NgramProposer:
         """Build from `prompt_lookup_min/max` and the option `max_window`."""
         return cls(cfg.prompt_lookup_min, cfg.prompt_lookup_max,
                    int(cfg.options.get("max_window", DEFAULT_MAX_WINDOW)))

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spec_decode.config import SpeculativeConfig
 from spec_decode.proposer import TokenProposer
+from spec_decode.settings import MethodSettings
 
 DEFAULT_MAX_TREE_DEPTH = 24
 DEFAULT_MAX_CACHED_REQUESTS = 256
@@ -247,7 +247,7 @@ class SuffixProposer(TokenProposer):
         self._responses: OrderedDict[str, list[int]] = OrderedDict()  # oldest first
 
     @classmethod
-    def from_config(cls, cfg: SpeculativeConfig) -> SuffixProposer:
+    def from_config(cls, cfg: MethodSettings) -> SuffixProposer:
         """Build from `cfg.options` (`max_tree_depth`, `max_cached_requests`,
         `min_token_prob`, `max_spec_factor`); other keys are left to other parts."""
         names = ("max_tree_depth", "max_cached_requests", "min_token_prob", "max_spec_factor")

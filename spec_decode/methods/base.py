@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from spec_decode.config import SpeculativeConfig
     from spec_decode.proposer import TokenProposer
+    from spec_decode.settings import MethodSettings
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class SpecMethod:
 
     # ---- the proposer --------------------------------------------------------------
 
-    def make_proposer(self, config: SpeculativeConfig) -> TokenProposer:
+    def make_proposer(self, config: MethodSettings) -> TokenProposer:
         """The token-lookup proposer (ngram, suffix); model methods draft in the runner
         through the network named by `drafter`."""
         raise TypeError(f"method {self.name!r} drafts with a {self.drafter} network in the "

@@ -9,8 +9,8 @@ from spec_decode.methods import register
 from spec_decode.methods.base import SpecMethod
 
 if TYPE_CHECKING:
-    from spec_decode.config import SpeculativeConfig
     from spec_decode.proposer import TokenProposer
+    from spec_decode.settings import MethodSettings
 
 
 @register
@@ -18,7 +18,7 @@ class NgramMethod(SpecMethod):
     name = "ngram"
     option_names = ("max_window",)
 
-    def make_proposer(self, config: SpeculativeConfig) -> TokenProposer:
+    def make_proposer(self, config: MethodSettings) -> TokenProposer:
         from spec_decode.ngram import NgramProposer
 
         return NgramProposer.from_config(config)

@@ -9,8 +9,8 @@ from spec_decode.methods import register
 from spec_decode.methods.base import SpecMethod
 
 if TYPE_CHECKING:
-    from spec_decode.config import SpeculativeConfig
     from spec_decode.proposer import TokenProposer
+    from spec_decode.settings import MethodSettings
 
 
 @register
@@ -18,7 +18,7 @@ class SuffixMethod(SpecMethod):
     name = "suffix"
     option_names = ("max_tree_depth", "max_cached_requests", "min_token_prob", "max_spec_factor")
 
-    def make_proposer(self, config: SpeculativeConfig) -> TokenProposer:
+    def make_proposer(self, config: MethodSettings) -> TokenProposer:
         from spec_decode.suffix import SuffixProposer
 
         return SuffixProposer.from_config(config)
