@@ -1,7 +1,8 @@
 """The throttle: per-pass budgets and the largest chunk a request may take.
 
-Pure decisions (`k_rule`, `plan_chunk`) are separate from the mutable
-`StepBudget`, so a policy can be computed and tested without touching state.
+Pure decisions (`k_rule`, `plan_chunk`) are separate from the mutable ledger of a
+step (`StepBudget`, step_budget.py), so a policy can be computed and tested without
+touching state.
 
 One step runs the target pass and each drafter pass of the method; every one starts
 with B = max_num_batched_tokens rows. A request scheduled with n tokens that proposes
@@ -12,14 +13,10 @@ method's cost table, spec_decode/methods/).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from spec_decode import SpecMethod, SpeculativeConfig, min_decode_rows
-
-if TYPE_CHECKING:
-    from scheduler.running_plan import RunPlan
 
 
 @dataclass(frozen=True)
@@ -151,47 +148,6 @@ def plan_chunk(rule: ThrottleRule, remaining: list[int], req: RequestView,
 
 def _fits(plan: ChunkPlan, remaining: list[int]) -> bool:
     return all(row <= rem for row, rem in zip(plan.rows, remaining))
-
-
-class StepBudget:
-    """Remaining rows of each pass in the step being scheduled, and who paid what.
-
-    `run` holds the leading running requests planned together (`charge_run`),
-    `charges` everyone planned one by one after them; a refund inside the run turns
-    it into single charges first, keeping the order.
-    """
-
-    def __init__(self, rule: ThrottleRule, max_num_batched_tokens: int) -> None:
-        self.rule = rule
-        self.remaining = rule.initial_budget(max_num_batched_tokens)
-        self.run: RunPlan | None = None
-        self.charges: dict[str, ChunkPlan] = {}
-        self.num_refunds = 0  # preemptions that gave rows back after others were planned
-
-    def charge_run(self, run: RunPlan) -> None:
-        assert self.run is None and not self.charges, "the run is charged first"
-        self.run = run
-        self.remaining = [rem - row for rem, row in zip(self.remaining, run.total_rows)]
-
-    def charge(self, req_id: str, plan: ChunkPlan) -> None:
-        # The run's requests are never planned again (a refund ends the run first).
-        assert req_id not in self.charges, f"{req_id} charged twice in one step"
-        self.charges[req_id] = plan
-        self.remaining = [rem - row for rem, row in zip(self.remaining, plan.rows)]
-
-    def is_charged(self, req_id: str) -> bool:
-        return req_id in self.charges or (
-            self.run is not None and any(r.request_id == req_id for r in self.run.requests))
-
-    def refund(self, req_id: str) -> ChunkPlan:
-        """Give back exactly what `req_id` was charged (preempted, or to be re-planned)."""
-        if self.run is not None and req_id not in self.charges:
-            self.charges = {**self.run.chunk_plans(), **self.charges}
-            self.run = None
-        plan = self.charges.pop(req_id)
-        self.remaining = [rem + row for rem, row in zip(self.remaining, plan.rows)]
-        self.num_refunds += 1
-        return plan
 
 
 def check_budget_config(rule: ThrottleRule, spec: SpeculativeConfig | None,

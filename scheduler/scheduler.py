@@ -9,13 +9,7 @@ request (the newest under FCFS) when the pool is short.
 
 from __future__ import annotations
 
-from scheduler.budget import (
-    RequestView,
-    StepBudget,
-    ThrottleRule,
-    check_budget_config,
-    plan_chunk,
-)
+from scheduler.budget import RequestView, ThrottleRule, check_budget_config, plan_chunk
 from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.outputs import (
@@ -30,6 +24,7 @@ from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import make_queue
 from scheduler.running_plan import RunningPlanner, RunningState, RunPlan
 from scheduler.stats import SchedulerStats
+from scheduler.step_budget import StepBudget
 from scheduler.step_output import build_output
 from scheduler.update import append_tokens, count_accepted, in_schedule_order
 from spec_decode import SpeculativeConfig

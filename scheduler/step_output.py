@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler.budget import StepBudget
 from scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from scheduler.step_budget import StepBudget
 
 
 def build_output(budget: StepBudget, run_ids: list[str], new_reqs: list[NewRequestData],

@@ -8,7 +8,8 @@ import pytest
 
 from runner import BudgetInvariantError, check_pass_rows
 from runner.simulated import SimulatedRunner
-from scheduler.budget import RequestView, StepBudget, ThrottleRule, k_rule, plan_chunk
+from scheduler.budget import RequestView, ThrottleRule, k_rule, plan_chunk
+from scheduler.step_budget import StepBudget
 from spec_decode import METHODS, SpeculativeConfig
 from tests.helpers import drain, make_request, make_scheduler, run_step
 
