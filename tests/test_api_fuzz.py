@@ -35,6 +35,8 @@ from runner.models.llama import LlamaConfig, LlamaForCausalLM
 from spec_decode import SpeculativeConfig
 from tests.server_helpers import ServerThread, serve
 
+pytestmark = pytest.mark.model  # a real server; the last test loads the real model
+
 MAX_MODEL_LEN = 64
 NAME = "tiny"
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from benchmarks import scheduler_overhead, throttle_tightness
 
 
@@ -40,6 +42,7 @@ def test_throttle_tightness_quick(tmp_path: Path) -> None:
             assert ours[("dflash", row["k"])]["steps_to_drain"] <= row["steps_to_drain"]
 
 
+@pytest.mark.model
 def test_runner_step_quick(tmp_path: Path) -> None:
     from benchmarks import runner_step
 
@@ -53,6 +56,7 @@ def test_runner_step_quick(tmp_path: Path) -> None:
         assert ("draft_ms" in row) == row["case"].startswith("draft")
 
 
+@pytest.mark.model
 def test_spec_decode_quick(tmp_path: Path) -> None:
     from benchmarks import spec_decode
 
@@ -68,6 +72,7 @@ def test_spec_decode_quick(tmp_path: Path) -> None:
             assert row["theoretical_tokens_per_step"] == 5.0
 
 
+@pytest.mark.model
 def test_throttle_e2e_quick(tmp_path: Path) -> None:
     """The real model under each of the three rules: outputs identical, every figure
     reported, and the static reservation's smaller target budget is the one it ran."""
@@ -141,6 +146,7 @@ def test_serve_dp_front_end_share_is_served_over_offline() -> None:
     assert share["ttft_ms_p50"] == {"one engine": [10.0, 10.0], "Ray N=2": [10.0, 10.0]}
 
 
+@pytest.mark.model
 def test_serve_dp_quick_runs_the_servers_in_their_own_processes(tmp_path: Path) -> None:
     from benchmarks import serve_dp
 
@@ -152,6 +158,7 @@ def test_serve_dp_quick_runs_the_servers_in_their_own_processes(tmp_path: Path) 
     assert (tmp_path / "d.png").exists()
 
 
+@pytest.mark.model
 def test_cpu_forward_quick(tmp_path: Path) -> None:
     """Rows per pass, quality against float32, the engine's figures and the llama.cpp
     row (skipped, and said so, without its venv); against HEAD as the baseline."""
@@ -174,6 +181,7 @@ def test_cpu_forward_quick(tmp_path: Path) -> None:
     assert "not found" in report["llamacpp"]["skipped"]
 
 
+@pytest.mark.model
 def test_greedy_equality_quick(tmp_path: Path) -> None:
     from benchmarks import greedy_equality
 

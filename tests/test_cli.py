@@ -25,6 +25,7 @@ def model() -> LlamaForCausalLM:
     return load_model(resolve_model(None), torch.float32, torch.device("cpu"))
 
 
+@pytest.mark.model
 def test_generate_without_arguments_runs_the_demo(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["generate"]) == 0
     out = capsys.readouterr().out
@@ -36,6 +37,7 @@ def test_generate_without_arguments_runs_the_demo(capsys: pytest.CaptureFixture[
     assert "mean acceptance length" in spec[0] and "per position [" in spec[0]
 
 
+@pytest.mark.model
 def test_generate_prompts_with_speculation_off(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["generate", "--prompt", "The capital of France is", "--prompt", "1 2 3",
                      "--max-tokens", "3", "--speculative-config", "null"]) == 0
@@ -102,17 +104,25 @@ SPEC = "--speculative-config"
     ([SPEC, '{"method": "ngram", "num_speculative_tokens": "3"}'], "must be an integer"),
     ([SPEC, '{"method": "ngram", "num_speculative_tokens": true}'], "must be an integer"),
     ([SPEC, '{"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}'], "unknown keys"),
-    ([SPEC, '{"method": "ngram", "num_speculative_tokens": 1000}'], "max_num_batched_tokens"),
-    ([SPEC, '{"method": "eagle", "num_speculative_tokens": 3}'], "train-drafter"),
     (["--max-tokens", "0"], "--max-tokens must be"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--temperature", "nan"], "--temperature must be a finite number"),
-    (["--prompt", ""], "prompt must be a non-empty string"),
     (["--block-size", "0"], "--block-size must be an integer >= 1"),
-    (["--kv-cache-memory", "100T"], "is more than this cpu device has"),
 ])
 def test_generate_refuses_user_errors_in_one_line(argv: list[str], says: str,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    _one_line_refusal(["generate", *argv], says, capsys)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(("argv", "says"), [
+    ([SPEC, '{"method": "ngram", "num_speculative_tokens": 1000}'], "max_num_batched_tokens"),
+    ([SPEC, '{"method": "eagle", "num_speculative_tokens": 3}'], "train-drafter"),
+    (["--prompt", ""], "prompt must be a non-empty string"),
+    (["--kv-cache-memory", "100T"], "is more than this cpu device has"),
+])
+def test_generate_refuses_what_the_engine_refuses_in_one_line(
+        argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
     _one_line_refusal(["generate", *argv], says, capsys)
 
 
@@ -120,13 +130,19 @@ def test_generate_refuses_user_errors_in_one_line(argv: list[str], says: str,
     ([SPEC, '{"method": "ngram", "num_speculative_tokens": "3"}'], "must be an integer"),
     ([SPEC, "[1]"], "must be a JSON object"),
     (["--block-size", "0"], "--block-size must be an integer >= 1"),
-    (["--kv-cache-memory", "100T"], "cannot start: kv_cache_memory_bytes="),
     (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1"),
     (["--ray-address", "10.0.0.1:6379"], "--ray-address needs --data-parallel-size > 1"),
 ])
 def test_serve_refuses_user_errors_in_one_line(argv: list[str], says: str,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     _one_line_refusal(["serve", *argv], says, capsys)
+
+
+@pytest.mark.model
+def test_serve_refuses_a_kv_cache_larger_than_the_machine(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    _one_line_refusal(["serve", "--kv-cache-memory", "100T"],
+                      "cannot start: kv_cache_memory_bytes=", capsys)
 
 
 @pytest.mark.parametrize(("argv", "says"), [
@@ -143,6 +159,7 @@ def test_option_values_argparse_refuses(argv: list[str], says: str,
     assert says in err and "Traceback" not in err
 
 
+@pytest.mark.model
 def test_serve_runs_uvicorn_on_an_app_with_metrics(monkeypatch: pytest.MonkeyPatch,
                                                    model: LlamaForCausalLM) -> None:
     """`serve` wires engine, app and metrics, then runs them in a DrainingServer."""
@@ -175,6 +192,7 @@ def test_serve_runs_uvicorn_on_an_app_with_metrics(monkeypatch: pytest.MonkeyPat
         seen["metrics"])
 
 
+@pytest.mark.model
 def test_bench_serve_writes_json_and_plot(tmp_path: Path, model: LlamaForCausalLM,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     config = EngineConfig(max_num_batched_tokens=128, max_num_seqs=4, max_model_len=256,
@@ -250,6 +268,7 @@ def test_bench_serve_refused_connection_is_one_line(capsys: pytest.CaptureFixtur
     assert err.count("\n") == 1 and f"cannot reach http://127.0.0.1:{port}" in err
 
 
+@pytest.mark.model
 def test_serve_bench_script_self_contained(tmp_path: Path) -> None:
     """benchmarks/serve_bench.py: two `specbudget serve` processes in turn, spec off then
     ngram, the client in this process."""

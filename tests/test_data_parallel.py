@@ -27,6 +27,8 @@ from engine.local_server import serve_in_thread
 from engine.routing import ReplicaState
 from scheduler import SamplingParams
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 # 4 running per replica: a killed replica holds requests mid-stream and requests waiting.
 CONFIG = EngineConfig(max_num_seqs=4, max_model_len=512, kv_cache_memory_bytes=32 << 20)
 PROMPTS = [[1, 504, 3303, 314, 2253 + i, 30] for i in range(8)]

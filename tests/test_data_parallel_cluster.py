@@ -13,6 +13,8 @@ from ray.cluster_utils import Cluster
 from engine.llm import LLM
 from scheduler import SamplingParams
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 PROMPTS = [[1, 504, 3303, 314, 1500 + 7 * i, 30] for i in range(8)]
 
 

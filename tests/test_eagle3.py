@@ -17,6 +17,8 @@ from runner.models.llama import LlamaForCausalLM
 from scheduler import SamplingParams
 from tests.server_helpers import default_model
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 DRAFT_VOCAB = 64
 
 

@@ -19,6 +19,8 @@ from runner import BudgetInvariantError
 from scheduler import Request, SamplingParams
 from tests.server_helpers import default_model
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 PROMPTS = {"a": [5, 6, 7, 8], "b": [9, 10, 11], "bad": [12, 13, 14, 15, 16], "c": [17, 18]}
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 

@@ -23,6 +23,8 @@ from runner.model_prep import resolve_model
 from runner.models.kernel_select import select_linear_kernel
 from runner.models.llama import LlamaForCausalLM
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 BLOCK = 16
 PROMPT = "Explain in two sentences why the sky looks blue at noon but red at sunset."
 OTHER = ("Summarise the following note for a busy manager: the release slipped one week "

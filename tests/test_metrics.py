@@ -19,6 +19,8 @@ from runner.models.llama import LlamaForCausalLM
 from scheduler import Request, SamplingParams
 from scheduler.stats import SchedulerStats
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 MODEL = "test-model"
 
 

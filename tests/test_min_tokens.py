@@ -15,6 +15,8 @@ from runner.models.llama import LlamaForCausalLM
 from scheduler import SamplingParams
 from tests.helpers import spec_dict
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 CHAT = [[{"role": "user", "content": "Reply with one word: yes or no?"}],
         [{"role": "user", "content": "What is 2+2?"}]]
 

@@ -39,6 +39,8 @@ from runner.model_prep import (
 )
 from runner.models.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 BLOCK_SIZE = 16
 NUM_BLOCKS = 8  # 128 slots: room for every sequence below
 PROMPT = ("In 1969, Neil Armstrong became the first person to walk on the Moon; "

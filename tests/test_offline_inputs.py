@@ -10,6 +10,8 @@ import pytest
 from engine.llm import LLM
 from scheduler import SamplingParams
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 PARAMS = SamplingParams(max_tokens=3)
 
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import functools
 
+import pytest
+
 from engine.detokenizer import IncrementalDetokenizer
 from engine.output import OutputProcessor
 from engine.tokenizer import Tokenizer
 from runner.model_prep import resolve_model
 from scheduler import EngineCoreOutput, SamplingParams
+
+pytestmark = pytest.mark.model  # loads the real default model
 
 
 @functools.cache

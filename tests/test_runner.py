@@ -25,6 +25,8 @@ from scheduler import (
 )
 from spec_decode import SpeculativeConfig
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 BLOCK = 16
 
 

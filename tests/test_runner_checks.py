@@ -18,6 +18,8 @@ from scheduler import Request, SamplingParams, SchedulerOutput
 from tests.helpers import spec_dict
 from tests.server_helpers import default_model
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 PROMPT = list(range(100, 124))  # 24 tokens
 
 

@@ -30,6 +30,8 @@ from spec_decode.methods import PassRecipe, SpecMethod, get_method
 from tests.helpers import spec_dict
 from tests.server_helpers import default_model
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 B, K, MAX_MODEL_LEN, BLOCK = 64, 4, 128, 16
 RUNNERS = ("model", "simulated")
 

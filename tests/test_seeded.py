@@ -18,6 +18,8 @@ from spec_decode import METHODS
 from tests.helpers import spec_dict
 from tests.server_helpers import default_model
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the"
 
 

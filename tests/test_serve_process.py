@@ -14,6 +14,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
+import pytest
+
+pytestmark = pytest.mark.model  # loads the real default model
 
 C = "/v1/completions"
 LONG = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True}

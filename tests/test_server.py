@@ -15,6 +15,8 @@ from openai import AsyncOpenAI, OpenAI
 from engine.async_engine import AsyncEngine
 from tests.server_helpers import MODEL_NAME, ServerThread, make_engine, serve
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 PROMPTS = [
     "The capital of France is",
     "1, 2, 3, 4, 5,",

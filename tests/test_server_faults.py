@@ -20,6 +20,8 @@ from engine.llm import LLM
 from scheduler import SamplingParams
 from tests.server_helpers import MODEL_NAME, SPEC, ServerThread, default_model, make_engine, serve
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 MAX_MODEL_LEN = 512
 NUM_KV_BLOCKS = 40  # 640 token slots: one max_model_len request and then some
 PROMPT = "The capital of France is"

@@ -18,6 +18,8 @@ from openai import OpenAI
 from engine.async_engine import AsyncEngine
 from tests.server_helpers import MODEL_NAME, ServerThread, make_engine, serve
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 C, H = "/v1/completions", "/v1/chat/completions"
 LIST_PROMPT = ("Copy the list exactly: apple, banana, cherry, date, elderberry, fig, grape. "
                "Copy: apple, banana, cherry,")

@@ -17,6 +17,8 @@ from engine.async_engine import AsyncEngine
 from engine.http_protocol import ConnectionLimits
 from tests.server_helpers import ServerThread, make_engine, serve
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 LIMITS = ConnectionLimits(header_timeout=1.0, keep_alive_timeout=1.0, body_timeout=1.0,
                           max_connections=8)
 HEAD = ("POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"

@@ -17,6 +17,8 @@ from spec_decode import METHODS
 from tests.helpers import spec_dict
 from tests.server_helpers import default_model
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 MAX_LEN = 64
 K = 4
 PATTERN = [28, 29, 30] * 40

@@ -16,6 +16,8 @@ from scheduler import SamplingParams
 from spec_decode import METHODS
 from tests.helpers import spec_dict
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 GROUNDED = [
     "Copy the list exactly: apple, banana, cherry, date, elderberry, fig, grape. "
     "Copy: apple, banana, cherry,",

@@ -30,6 +30,8 @@ from training.train import (
     unrolled_loss,
 )
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 LENGTH, DRAFT_VOCAB = 48, 512
 
 

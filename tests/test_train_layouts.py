@@ -23,6 +23,8 @@ from training.features import target_features
 from training.layouts import LAYOUTS, TrainLayout, greedy_run, step_targets
 from training.train import IGNORE, unroll
 
+pytestmark = pytest.mark.model  # loads the real default model
+
 K = 3
 
 
