@@ -295,7 +295,7 @@ def test_runner_rejects_a_schedule_over_budget() -> None:
     sched.add_request(make_request("r", 10, max_tokens=20))
     out = sched.schedule()
     out.num_drafter_tokens -= 1
-    with pytest.raises(BudgetInvariantError):
+    with pytest.raises(BudgetInvariantError, match=r"draft.*built \d+ rows.*declared"):
         runner.execute(out)
 
 

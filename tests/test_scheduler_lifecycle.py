@@ -358,17 +358,23 @@ def test_request_that_fits_the_pool_exactly_is_accepted_and_finishes() -> None:
 
 @pytest.mark.parametrize("method", ["pard", "dflash", "eagle", "draft_model"])
 def test_accepted_request_never_livelocks_on_a_tiny_pool(method: str) -> None:
-    """Whatever add_request accepts on a pool that just fits, must finish alone."""
+    """Whatever add_request accepts on a pool that just fits, must finish alone; what
+    it refuses is refused for the KV it may need (and something must be admitted, or
+    the test would pass without running anything)."""
     scheduler = make_scheduler(method, k=3, block_size=4, num_blocks=10)
+    admitted = []
     for prompt, max_tokens in ((8, 40), (20, 10), (4, 20)):
         request = make_request(f"r{prompt}", prompt, max_tokens=max_tokens, ignore_eos=True)
-        try:
-            scheduler.add_request(request)
-        except ValueError:
+        if prompt + max_tokens > 10 * 4:  # more slots than the whole pool
+            with pytest.raises(ValueError, match=r"may need 12 KV blocks"):
+                scheduler.add_request(request)
             continue
+        scheduler.add_request(request)
+        admitted.append(request.request_id)
         drain(scheduler, SimulatedRunner(method, acceptance=1.0), max_steps=500)
         assert len(request.output_token_ids) == max_tokens
         _assert_idle_and_clean(scheduler)
+    assert admitted == ["r20", "r4"]
 
 
 # ---- chunked prefill -------------------------------------------------------------
