@@ -14,6 +14,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
 
+from scheduler.kv_cache_manager import cdiv
+
 
 def _raise_exception(message: str) -> None:
     """Templates call `raise_exception(msg)` to reject a conversation (as in HF)."""
@@ -131,7 +133,7 @@ class Tokenizer:
             return 0
         if self._max_token_bytes is None:
             self._max_token_bytes = max(len(self.token_bytes(i)) for i in range(self.vocab_size))
-        return -(-len(text.encode("utf-8", "replace")) // self._max_token_bytes)
+        return cdiv(len(text.encode("utf-8", "replace")), self._max_token_bytes)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))

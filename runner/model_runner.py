@@ -30,15 +30,12 @@ from runner.request_states import RequestStates
 from runner.sampler import Sampler, SamplingMetadata, gather_logprobs
 from runner.spec import SpecDecoder
 from scheduler.config import SchedulerConfig
+from scheduler.kv_cache_manager import cdiv
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from spec_decode import SpeculativeConfig
 from spec_decode.passes import StepResult
 
 Logprobs = tuple[list[int], list[float]]
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def device_memory_bytes(device: torch.device) -> int | None:

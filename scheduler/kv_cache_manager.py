@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -22,7 +23,11 @@ def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
-def cdiv(a: int, b: int) -> int:
+IntLike = TypeVar("IntLike", int, np.ndarray)
+
+
+def cdiv(a: IntLike, b: int) -> IntLike:
+    """Ceiling division, for ints and numpy arrays alike: the project's only one."""
     return -(-a // b)
 
 

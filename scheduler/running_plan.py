@@ -21,7 +21,7 @@ from itertools import chain
 import numpy as np
 
 from scheduler.budget import ChunkPlan, ThrottleRule, k_rule_array
-from scheduler.kv_cache_manager import KVCacheBlock
+from scheduler.kv_cache_manager import KVCacheBlock, cdiv
 from scheduler.request import Request
 
 # Counters gathered per running request, in this order (`RunningState.gather`).
@@ -126,7 +126,7 @@ class RunningPlanner:
         rows = n[:, None] * self.ctx + self.base[k]  # [num_reqs, num_passes]
         lookahead = self.lookahead[k]
         # Blocks needed for every computed slot after the step, past those held.
-        needed = -(-(state.num_computed + n + lookahead) // self.block_size)
+        needed = cdiv(state.num_computed + n + lookahead, self.block_size)
         new_blocks = np.maximum(needed - state.num_blocks, 0)
         over_rows = (np.cumsum(rows, axis=0) > np.asarray(remaining)).any(axis=1)
         over_kv = np.cumsum(new_blocks) > num_free_blocks

@@ -318,9 +318,8 @@ class Scheduler:
                 spec_tokens[rid] = list(request.spec_token_ids)
             request.num_computed_tokens += plan.num_tokens
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
-        spec_method = self.speculative_config.method if self.speculative_config else None
         output = build_output(budget, run_ids, new_reqs, cached, spec_tokens, preempted,
-                              finished, self.config.max_num_batched_tokens, spec_method)
+                              finished, self.config.max_num_batched_tokens)
         self.stats.record_step(output)
         return output
 

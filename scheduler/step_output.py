@@ -15,8 +15,8 @@ from scheduler.step_budget import StepBudget
 
 def build_output(budget: StepBudget, run_ids: list[str], new_reqs: list[NewRequestData],
                  cached_reqs: CachedRequestData, spec_tokens: dict[str, list[int]],
-                 preempted: set[str], finished: set[str], max_num_batched_tokens: int,
-                 spec_method: str | None) -> SchedulerOutput:
+                 preempted: set[str], finished: set[str],
+                 max_num_batched_tokens: int) -> SchedulerOutput:
     """`run_ids`: the request ids of `budget.run`, in its order ([] without a run)."""
     names = budget.rule.pass_names
     rows = [0] * len(names)
@@ -48,7 +48,6 @@ def build_output(budget: StepBudget, run_ids: list[str], new_reqs: list[NewReque
                               if plan.rule_drafts > plan.num_draft_tokens},
         pass_rows=pass_rows,
         max_num_batched_tokens=max_num_batched_tokens,
-        spec_method=spec_method,
         preempted_req_ids=preempted,
         finished_req_ids=finished,
     )

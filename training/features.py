@@ -7,6 +7,7 @@ import torch
 
 from runner.attention import AttentionMetadata, get_attention_backend
 from runner.models.llama import LlamaForCausalLM
+from scheduler.kv_cache_manager import cdiv
 
 BLOCK = 16
 
@@ -25,7 +26,7 @@ def target_features(model: LlamaForCausalLM, windows: torch.Tensor,
     cfg = model.config
     device = model.lm_head.weight.device
     model_dtype = model.lm_head.weight.dtype
-    blocks_per = -(-length // BLOCK)
+    blocks_per = cdiv(length, BLOCK)
     shape = (num * blocks_per, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
     kv = [(torch.zeros(shape, dtype=model_dtype, device=device),
            torch.zeros(shape, dtype=model_dtype, device=device))

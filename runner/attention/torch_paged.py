@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from runner.attention.backend import AttentionBackend, write_kv
 from runner.attention.metadata import AttentionMetadata
+from scheduler.kv_cache_manager import cdiv
 
 BATCHED_MAX_QUERY = 32
 MIN_GEMM_ROWS = 4
@@ -107,7 +108,7 @@ def _attend_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     q_start, q_end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
     seq_len = meta.seq_lens_cpu[i]
     block_size = key_cache.shape[1]
-    blocks = meta.block_table[i, :-(-seq_len // block_size)].long()
+    blocks = meta.block_table[i, :cdiv(seq_len, block_size)].long()
     k = gather_kv(key_cache, blocks, seq_len)
     v = gather_kv(value_cache, blocks, seq_len)
     q = query[q_start:q_end]
@@ -137,15 +138,15 @@ def plan_batched(meta: AttentionMetadata, block_size: int, num_heads: int,
     group = num_heads // num_kv_heads
     device = meta.query_start_loc.device
     # Too few matmuls: repeat the first request (its copies' rows are dropped).
-    copies = max(0, -(-MIN_PROBLEMS // num_kv_heads) - len(reqs))
+    copies = max(0, cdiv(MIN_PROBLEMS, num_kv_heads) - len(reqs))
     index = torch.tensor(reqs + [reqs[0]] * copies, dtype=torch.long, device=device)
     starts = meta.query_start_loc[index].long()
     num_q = meta.query_start_loc[index + 1].long() - starts
     seq_lens = meta.seq_lens[index].long()
     max_q = max(max(starts_cpu[i + 1] - starts_cpu[i] for i in reqs),
-                -(-MIN_GEMM_ROWS // group))
+                cdiv(MIN_GEMM_ROWS, group))
     max_len = max(meta.seq_lens_cpu[i] for i in reqs)
-    max_len = -(-max_len // KEY_CHUNK) * KEY_CHUNK
+    max_len = cdiv(max_len, KEY_CHUNK) * KEY_CHUNK
     j = torch.arange(max_q, device=device)
     last = torch.minimum(j[None, :], num_q[:, None] - 1)  # [R, Q]
     rows = starts[:, None] + last
