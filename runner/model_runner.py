@@ -203,7 +203,8 @@ class ModelRunner:
         planned = check_step(spec.spec_method if spec else None, out, req_ids, n, k,
                              self._step_facts(out, req_ids),
                              spec.num_speculative_tokens if spec else 0,
-                             self.scheduler_config.max_model_len)
+                             self.scheduler_config.max_model_len,
+                             self.scheduler_config.max_num_batched_tokens)
         self.last_pass_rows = planned.counts
         return planned
 

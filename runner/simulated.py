@@ -58,7 +58,8 @@ class SimulatedRunner:
                  eos_token_id: int | None = None, eos_prob: float = 0.0, seed: int = 0,
                  propose: Callable[[str, int], list[int]] | None = None,
                  max_model_len: int | None = None, num_speculative_tokens: int | None = None,
-                 block_size: int | None = None) -> None:
+                 block_size: int | None = None, max_num_batched_tokens: int | None = None
+                 ) -> None:
         self.method = get_method(method) if method is not None else None
         self.vocab_size = vocab_size
         self.acceptance = acceptance
@@ -69,6 +70,7 @@ class SimulatedRunner:
         self.max_model_len = max_model_len or UNBOUNDED
         self.max_k = num_speculative_tokens or UNBOUNDED
         self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.reqs: dict[str, _ReqState] = {}
         self.last_step: BuiltStep | None = None
 
@@ -80,7 +82,8 @@ class SimulatedRunner:
         return cls(spec.method if spec else None,
                    max_model_len=scheduler.config.max_model_len,
                    num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                   block_size=scheduler.cache_config.block_size, **kwargs)
+                   block_size=scheduler.cache_config.block_size,
+                   max_num_batched_tokens=scheduler.config.max_num_batched_tokens, **kwargs)
 
     def _random_drafts(self, rid: str, k: int) -> list[int]:
         return [self.rng.randrange(self.vocab_size) for _ in range(k)]
@@ -128,7 +131,7 @@ class SimulatedRunner:
         k = np.array([out.num_draft_tokens.get(r, 0) for r in req_ids], dtype=np.int64)
         facts = self._facts(out, req_ids)
         planned = check_step(self.method, out, req_ids, n, k, facts, self.max_k,
-                             self.max_model_len)
+                             self.max_model_len, self.max_num_batched_tokens)
         self._sync(out)
         sampled: list[list[int]] = []
         drafts: dict[str, list[int]] = {}

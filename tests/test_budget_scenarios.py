@@ -307,3 +307,17 @@ def test_mixed_workload_drains_for_every_method() -> None:
             sched.add_request(make_request(f"r{i}", 3 + 11 * i % 90, max_tokens=5 + i))
         drain(sched, runner)
         assert sched.kv.pool.num_free_blocks == 60
+
+
+def test_a_runner_holds_a_step_to_its_own_budget_not_the_outputs() -> None:
+    """A SchedulerOutput declaring a larger B than the runner was sized for is held
+    to the runner's B (the model runner's buffers have only that many rows)."""
+    sched = make_scheduler(None, budget=64)
+    sched.add_request(make_request("r", 48, max_tokens=4))
+    out = sched.schedule()
+    assert out.total_num_scheduled_tokens == 48 and out.max_num_batched_tokens == 64
+    SimulatedRunner(None).execute(out)  # no limits given: the output's B
+    sched2 = make_scheduler(None, budget=64)
+    sched2.add_request(make_request("r", 48, max_tokens=4))
+    with pytest.raises(BudgetInvariantError, match=r"max_num_batched_tokens=32"):
+        SimulatedRunner(None, max_num_batched_tokens=32).execute(sched2.schedule())
