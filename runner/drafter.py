@@ -20,13 +20,20 @@ from runner.buffers import StepBuffers
 from runner.config import kv_bytes_per_block
 from runner.draft_models import DraftLM, KVCache
 from runner.eagle3 import Eagle3Config, Eagle3Head, load_eagle3, trained_head_dir
-from runner.invariant import StepRows, check_filled
+from runner.invariant import check_filled
 from runner.model_loader import load_model
 from runner.model_prep import DEFAULT_MODEL_NAME, resolve_model
 from runner.models.llama import LlamaForCausalLM
 from runner.request_states import RequestStates
 from spec_decode import SpeculativeConfig
-from spec_decode.passes import MASK_ROW, DraftPass, StepResult, fill_pass, sequential_positions
+from spec_decode.passes import (
+    MASK_ROW,
+    DraftPass,
+    StepResult,
+    StepRows,
+    fill_pass,
+    sequential_positions,
+)
 
 RANDOM_HEAD = "random"  # `"model": "random"`: an untrained head, for layouts and benchmarks
 RANDOM_HEAD_VOCAB = 8192

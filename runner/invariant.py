@@ -2,24 +2,25 @@
 
 Before a step writes any buffer or request state, both runners (the model runner and
 `SimulatedRunner`) call `check_step`: it re-derives each request's largest allowed k
-from the runner's own copy of its lengths and limits, assembles every pass's rows per
-request from the method's recipes (spec_decode/passes.py, never the cost table the
-scheduler charged from), bounds each request's rows inside its own KV slots and
-max_model_len, and checks each pass against B and against what the scheduler charged.
+from the runner's own copy of its lengths and limits, has every pass's rows per
+request planned from the method's recipes (`plan_step_rows`, spec_decode/passes.py:
+planning lives there, never in the cost table the scheduler charged from; this module
+only checks), bounds each request's rows inside its own KV slots and max_model_len,
+and checks each pass against the runner's B and against what the scheduler charged.
 After verification, `check_filled` bounds every row that reads something (drafts,
 target hidden states) inside its own request's slice.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from runner.errors import BudgetInvariantError
 from scheduler.outputs import SchedulerOutput
 from spec_decode.methods import SpecMethod
-from spec_decode.passes import MASK_ROW, DraftPass, PassRows, assemble_rows, sequential_rows
+from spec_decode.passes import MASK_ROW, DraftPass, StepRows, plan_step_rows
 
 
 @dataclass
@@ -32,14 +33,6 @@ class StepFacts:
     max_tokens: np.ndarray  # [R]
     num_spec: np.ndarray  # [R] s: drafts verified this step
     kv_slots: np.ndarray | None = None  # [R] KV slots allocated once this step's blocks land
-
-
-@dataclass
-class StepRows:
-    """Every pass the step will build, counted from its assembled rows."""
-
-    passes: list[PassRows] = field(default_factory=list)
-    counts: dict[str, int] = field(default_factory=dict)  # target, wide passes, step_j
 
 
 def allowed_drafts(facts: StepFacts, n: np.ndarray, max_k: int,
@@ -62,18 +55,14 @@ def check_step(method: SpecMethod | None, out: SchedulerOutput, req_ids: list[st
     a SimulatedRunner given no limits (it has no buffers), which takes the output's."""
     name = method.name if method else None
     check_draft_counts(name, req_ids, k, allowed_drafts(facts, n, max_k, max_model_len))
-    step = StepRows(counts={"target": int(n.sum())})
+    step = plan_step_rows(method, n, k)
     last = facts.num_computed + n - 1  # the target pass's last position per request
     bounds = [("target", last)]
     if method is not None:
-        step.passes = assemble_rows(method, n, k)
         for rows in step.passes:
-            step.counts[rows.name] = rows.total
             # Worst case L = n: a pass without context rows starts at c + n.
             first = facts.num_computed + (0 if rows.recipe.context else n)
             bounds.append((rows.name, np.where(rows.rows > 0, first + rows.rows - 1, -1)))
-        for j, count in enumerate(sequential_rows(method, k), start=1):
-            step.counts[f"step_{j}"] = count
         if method.sequential:
             shift = method.recipes[0].shift
             bounds.append(("step_*", np.where(k > 1, facts.num_computed + n + k - 1 - shift,

@@ -22,7 +22,7 @@ from runner.attention import AttentionMetadata, get_attention_backend
 from runner.buffers import StepBuffers
 from runner.config import RunnerConfig, kv_bytes_per_block
 from runner.input_prep import PreparedStep, prepare_inputs, write_spec_tokens
-from runner.invariant import StepFacts, StepRows, check_step
+from runner.invariant import StepFacts, check_step
 from runner.model_loader import load_model, pack_for_inference
 from runner.model_prep import resolve_model
 from runner.models.llama import LlamaForCausalLM
@@ -33,7 +33,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import cdiv
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from spec_decode import SpeculativeConfig
-from spec_decode.passes import StepResult
+from spec_decode.passes import StepResult, StepRows
 
 Logprobs = tuple[list[int], list[float]]
 

@@ -14,11 +14,10 @@ import torch
 from runner.attention import AttentionBackend
 from runner.buffers import StepBuffers
 from runner.drafter import ModelDrafter
-from runner.invariant import StepRows
 from runner.models.llama import LlamaForCausalLM
 from runner.request_states import RequestStates
 from spec_decode import SpeculativeConfig
-from spec_decode.passes import StepResult
+from spec_decode.passes import StepResult, StepRows
 from spec_decode.proposer import TokenProposer
 from spec_decode.rejection_sampler import RejectionSampler
 from spec_decode.sampling import SamplingMetadata

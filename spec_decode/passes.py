@@ -18,7 +18,7 @@ runner and `SimulatedRunner` both build their passes here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -104,6 +104,29 @@ def sequential_rows(method: SpecMethod, k: np.ndarray) -> list[int]:
     if not method.sequential:
         return []
     return [int((k > j).sum()) for j in range(1, int(k.max(initial=0)))]
+
+
+@dataclass
+class StepRows:
+    """Every pass the step will build, counted from its assembled rows (the runner plans
+    them with `plan_step_rows`, checks them in runner/invariant.py, then fills them)."""
+
+    passes: list[PassRows] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)  # target, wide passes, step_j
+
+
+def plan_step_rows(method: SpecMethod | None, n: np.ndarray, k: np.ndarray) -> StepRows:
+    """The target pass (n rows per request), every drafter pass assembled from the
+    method's recipes, and the sequential one-row steps, each with its row count."""
+    step = StepRows(counts={"target": int(n.sum())})
+    if method is None:
+        return step
+    step.passes = assemble_rows(method, n, k)
+    for rows in step.passes:
+        step.counts[rows.name] = rows.total
+    for j, count in enumerate(sequential_rows(method, k), start=1):
+        step.counts[f"step_{j}"] = count
+    return step
 
 
 def fill_pass(plan: PassRows, res: StepResult, token_ids: np.ndarray | None,
