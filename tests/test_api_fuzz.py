@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the OpenAI API (issue 8, "keep it fixed").
+"""Property-based fuzzing of the OpenAI API (what keeps the API's refusals right).
 
 The request bodies come from the JSON schemas the app itself publishes in its OpenAPI
 document (hypothesis-jsonschema), plus bodies whose fields hold arbitrary JSON and raw

@@ -171,7 +171,7 @@ def test_a_refused_request_gets_the_replicas_own_error(dp: DataParallelEngine) -
 def test_killed_replica_loses_no_non_streamed_request(dp: DataParallelEngine) -> None:
     """Non-streamed requests have shown the client nothing: a replica killed midway
     costs a re-send, and greedy requests return exactly what one engine returns
-    (issue 20 item 10: 8 of 16 got an error)."""
+    (before buffering, 8 of 16 got an error)."""
     for replica in dp.replicas:  # the previous test's victim must be back
         deadline = time.monotonic() + 300
         while replica.load.state is not ReplicaState.READY:

@@ -1,4 +1,4 @@
-"""A runner fault tied to one request fails that request only (issue 8, item 3).
+"""A runner fault tied to one request fails that request only.
 
 The step's requests are requeued and recomputed (nothing lost), run again with at most
 one suspect per step, and the fault is traced to its request, which finishes with

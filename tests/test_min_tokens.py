@@ -1,4 +1,4 @@
-"""min_tokens (issue 20 item 9): until a request has min_tokens output tokens, EOS and its
+"""min_tokens: until a request has min_tokens output tokens, EOS and its
 stop token ids are never sampled, and speculative verification masks each of its rows
 exactly as the decode step at that position would, so greedy speculation still equals
 speculation off. repetition_penalty is refused, not silently ignored."""

@@ -80,7 +80,7 @@ def test_chat_accepts_text_parts_as_the_server_does(llm: LLM) -> None:
 
 def test_offline_logprobs_are_the_servers(llm: LLM) -> None:
     """Offline outputs carry the logprobs the server reports for the same request (the
-    same values and token names, "bytes:" ones included), and their sum (item 12)."""
+    same values and token names, "bytes:" ones included), and their sum."""
     from openai import OpenAI
 
     from tests.server_helpers import MODEL_NAME, make_engine, serve

@@ -1,5 +1,5 @@
-"""Detokenizer, output processor and tokenizer details the server relies on (issue 8,
-items 9 and 12, and the prompt-size bound of item 7), on the default model's tokenizer."""
+"""Detokenizer, output processor and tokenizer details the server relies on (stop
+strings, logprob bytes, the prompt-size bound), on the default model's tokenizer."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Mutation tests: a scheduler output broken on purpose must be refused by the real
 runner with BudgetInvariantError, before any buffer or request state is written
-(issue 9, point 3; DESIGN.md §2). The runner re-derives the k rule from its own copy
+(DESIGN.md §2). The runner re-derives the k rule from its own copy
 of each request's lengths and max_tokens, so these fail without that check (the pard
 case used to crash later with a numpy broadcast error)."""
 

@@ -1,6 +1,6 @@
 """Mutation tests: a scheduler broken on purpose must be refused, by the real runner and
 by the simulated one, with BudgetInvariantError before either writes a buffer or any
-request state (DESIGN.md §2, issue 9 point 3). And a runner whose own pass assembly is
+request state (DESIGN.md §2). And a runner whose own pass assembly is
 broken must be refused too: its count comes from the rows it assembles, not from the
 cost table the scheduler charged from.
 

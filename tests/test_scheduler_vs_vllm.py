@@ -1,6 +1,6 @@
 """The side-by-side benchmark against vLLM's scheduler: its trace has the properties
-issue 11 names, our side drains it, and (where .vllm-venv exists) vLLM's side replays
-the same trace to the same tokens."""
+it was built for (arrivals, long prompts, preemption), our side drains it, and (where
+.vllm-venv exists) vLLM's side replays the same trace to the same tokens."""
 
 from __future__ import annotations
 

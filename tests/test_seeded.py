@@ -1,5 +1,5 @@
-"""Seeded sampling on the default model: reproducible under every method (issue 8,
-items 10 and 11).
+"""Seeded sampling on the default model: reproducible under every
+method.
 
 Draws are keyed by (seed, token position), and verification of greedy drafts is
 coupled to those draws, so a seeded request's text is the same on every call, under

@@ -1,5 +1,4 @@
-"""`specbudget serve` as an operator runs it: a real process, real signals (issue 8,
-items 8 and 13)."""
+"""`specbudget serve` as an operator runs it: a real process, real signals."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The server under hostile load (issue 8): bodies too large, prompts too long, the
+"""The server under hostile load : bodies too large, prompts too long, the
 event loop kept free while tokenising, stop strings inside accepted drafts, logprob
 bytes, a runner fault tied to one request, aborts before the engine picks a request
 up. Real uvicorn on 127.0.0.1, the default model."""
@@ -54,7 +54,7 @@ def idle(engine: AsyncEngine) -> bool:
     return True
 
 
-# ---- item 7: body size, prompt size, tokenising off the event loop -------------------
+# ---- body size, prompt size, tokenising off the event loop -------------------
 
 
 def test_body_over_the_limit_is_413_before_it_is_read(http: httpx.Client) -> None:
@@ -116,7 +116,7 @@ def test_health_answers_while_a_prompt_is_being_tokenised(
     assert asyncio.run(scenario()) == (200, 200)
 
 
-# ---- item 9: a stop string inside accepted drafts -------------------------------------
+# ---- a stop string inside accepted drafts -------------------------------------
 
 
 def test_stop_inside_accepted_drafts_matches_speculation_off(server: ServerThread) -> None:
@@ -144,7 +144,7 @@ def test_stop_inside_accepted_drafts_matches_speculation_off(server: ServerThrea
     assert g["logprobs"]["text_offset"][-1] == len(g["text"])  # the token that stopped it
 
 
-# ---- item 12: logprob bytes -----------------------------------------------------------
+# ---- logprob bytes -----------------------------------------------------------
 
 
 def test_chat_logprob_bytes_rebuild_emoji(server: ServerThread) -> None:
@@ -164,7 +164,7 @@ def test_completion_logprobs_name_partial_characters_by_their_bytes(
         server: ServerThread, stream: bool) -> None:
     """Tokens holding part of a UTF-8 character are "bytes:\\xNN" (as vLLM), so the top
     candidates stay distinct keys at the requested size, the sampled token's logprob is
-    its own, and every text_offset lies inside the text (issue 20 item 2)."""
+    its own, and every text_offset lies inside the text."""
     client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
     request = dict(model=MODEL_NAME, prompt="😀😃😄😁😆😅😂🤣", max_tokens=6, temperature=0,
                    logprobs=5, extra_body={"ignore_eos": True})
@@ -192,7 +192,7 @@ def test_completion_logprobs_name_partial_characters_by_their_bytes(
     assert offsets == sorted(offsets) and all(0 <= o <= len(text) for o in offsets)
 
 
-# ---- item 3: a runner fault tied to one request --------------------------------------
+# ---- a runner fault tied to one request --------------------------------------
 
 MARK = 4242  # a prompt starting with this token id makes the runner fail
 
@@ -232,7 +232,7 @@ def test_runner_fault_fails_only_its_request(engine: AsyncEngine, server: Server
     assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
 
 
-# ---- item 14: an abort before the engine picked the request up is counted -------------
+# ---- an abort before the engine picked the request up is counted -------------
 
 
 def test_abort_before_pickup_counts_as_abort(engine: AsyncEngine,

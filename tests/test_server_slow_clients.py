@@ -1,4 +1,4 @@
-"""Slow, idle and vanishing clients (issue 20, items 3 and 4): a real uvicorn with short
+"""Slow, idle and vanishing clients : a real uvicorn with short
 limits, raw sockets playing the client. Nothing a client does may hold a connection
 past its timeout, flood the log, or slow /health down."""
 

@@ -1,4 +1,4 @@
-"""Every method driven to its length limits on the default model (issue 8, item 1).
+"""Every method driven to its length limits on the default model.
 
 Near `max_model_len` a step that verifies s drafts and the next one that verifies k
 can together emit s + k + 2 tokens; the k rule must leave room for all of them, or the
