@@ -28,17 +28,27 @@ from spec_decode import SpeculativeConfig
 UNCHARGED = 1 << 40
 
 
+# S per method, as vLLM reserves it: the most rows a request can add beyond its n
+# target rows. eagle, mtp, ngram and suffix are never wider than the target pass.
+_VLLM_S = {
+    "dflash": lambda k: k + 1,
+    "pard": lambda k: k,
+    "parallel": lambda k: k - 1,
+    "draft_model": lambda k: 1,
+    "eagle": lambda k: 0,
+    "mtp": lambda k: 0,
+    "ngram": lambda k: 0,
+    "suffix": lambda k: 0,
+}
+
+
 def per_request_reservation(method: str, k: int) -> int:
-    """S: the most rows a request can add beyond its n target rows, per vLLM."""
-    if method == "dflash":
-        return k + 1
-    if method == "pard":
-        return k
-    if method == "parallel":
-        return k - 1
-    if method == "draft_model":
-        return 1
-    return 0  # eagle, mtp, ngram, suffix: never wider than the target pass
+    """S for `method` at K = k; a method this table does not know is refused (a new
+    method gets its vLLM reservation written here, never a silent 0)."""
+    if method not in _VLLM_S:
+        raise ValueError(f"no vLLM reservation S is known for method {method!r}; add it "
+                         f"to benchmarks/vllm_rules.py (known: {sorted(_VLLM_S)})")
+    return int(_VLLM_S[method](k))
 
 
 class _ReservingRule(ThrottleRule):

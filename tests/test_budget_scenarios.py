@@ -321,3 +321,22 @@ def test_a_runner_holds_a_step_to_its_own_budget_not_the_outputs() -> None:
     sched2.add_request(make_request("r", 48, max_tokens=4))
     with pytest.raises(BudgetInvariantError, match=r"max_num_batched_tokens=32"):
         SimulatedRunner(None, max_num_batched_tokens=32).execute(sched2.schedule())
+
+
+def test_the_vllm_comparison_knows_every_method_and_refuses_an_unknown_one() -> None:
+    """benchmarks/vllm_rules.py's reservation S: every registered method has one (a new
+    method must add it), and an unknown method is refused instead of costing 0."""
+    from benchmarks.vllm_rules import per_request_reservation
+    from spec_decode import methods
+
+    assert {m: per_request_reservation(m, 4) for m in METHODS} == {
+        "dflash": 5, "draft_model": 1, "eagle": 0, "mtp": 0, "ngram": 0, "parallel": 3,
+        "pard": 4, "suffix": 0}
+
+    class Unknown(methods.SpecMethod):
+        name = "unknown-to-vllm"
+
+    refused = pytest.raises(ValueError, match="no vLLM reservation S is known for method "
+                                              "'unknown-to-vllm'")
+    with methods.registered(Unknown), refused:
+        per_request_reservation("unknown-to-vllm", 4)

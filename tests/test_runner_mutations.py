@@ -239,22 +239,23 @@ class EchoMethod(SpecMethod):
         return k + 1 if k else 0
 
 
-def test_a_new_method_is_one_class(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_new_method_is_one_class() -> None:
     """Registering one class is all the scheduler and the runners need: the config
     accepts it, B is checked against its cost, the scheduler charges it and the
     simulated runner assembles, bounds and checks its passes for a whole run."""
     from spec_decode import methods
     from tests.helpers import drain, make_request, make_scheduler
 
-    monkeypatch.setitem(methods._REGISTRY, EchoMethod.name, EchoMethod())
-    with pytest.raises(ValueError, match=r"'draft': 5, 'block': 5"):
-        make_scheduler(EchoMethod.name, k=4, budget=4)
-    sched = make_scheduler(EchoMethod.name, k=4, budget=32, max_model_len=64)
-    runner = SimulatedRunner.for_scheduler(sched, acceptance=0.7)
-    for i in range(6):
-        sched.add_request(make_request(f"r{i}", 10 + 7 * i, max_tokens=30))
-    out = sched.schedule()
-    assert set(out.pass_rows) == {"target", "draft", "block"}
-    sched.update_from_output(out, runner.execute(out))
-    drain(sched, runner)
-    assert runner.last_step is not None and runner.last_step.max_position() < 64
+    with methods.registered(EchoMethod):
+        with pytest.raises(ValueError, match=r"'draft': 5, 'block': 5"):
+            make_scheduler(EchoMethod.name, k=4, budget=4)
+        sched = make_scheduler(EchoMethod.name, k=4, budget=32, max_model_len=64)
+        runner = SimulatedRunner.for_scheduler(sched, acceptance=0.7)
+        for i in range(6):
+            sched.add_request(make_request(f"r{i}", 10 + 7 * i, max_tokens=30))
+        out = sched.schedule()
+        assert set(out.pass_rows) == {"target", "draft", "block"}
+        sched.update_from_output(out, runner.execute(out))
+        drain(sched, runner)
+        assert runner.last_step is not None and runner.last_step.max_position() < 64
+    assert EchoMethod.name not in methods.method_names()  # gone after the block

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from spec_decode.methods.base import PassRecipe, SpecMethod
@@ -23,6 +25,17 @@ def register(cls: M) -> M:
         raise ValueError(f"speculative method {cls.name!r} is registered twice")
     _REGISTRY[cls.name] = cls()
     return cls
+
+
+@contextmanager
+def registered(cls: type[SpecMethod]) -> Iterator[SpecMethod]:
+    """`cls` registered for the block only (tests, experiments), then removed: the
+    public way to try a method without a module in this package."""
+    register(cls)
+    try:
+        yield _REGISTRY[cls.name]
+    finally:
+        del _REGISTRY[cls.name]
 
 
 def get_method(name: str) -> SpecMethod:
@@ -40,4 +53,4 @@ def method_names() -> tuple[str, ...]:
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"):
     importlib.import_module(f"{__name__}.{_module}")
 
-__all__ = ["PassRecipe", "SpecMethod", "get_method", "method_names", "register"]
+__all__ = ["PassRecipe", "SpecMethod", "get_method", "method_names", "register", "registered"]
