@@ -117,7 +117,8 @@ def run_config(method: str | None, num_reqs: int, repeats: int, num_steps: int,
     total, sched, update, repeat_medians = [], [], [], []
     for repeat in range(repeats):
         scheduler = make_scheduler(method, num_reqs, num_steps + 64)
-        runner = SimulatedRunner(method, acceptance=ACCEPTANCE, seed=seed + repeat)
+        runner = SimulatedRunner.for_scheduler(scheduler, acceptance=ACCEPTANCE,
+                                               seed=seed + repeat)
         add_requests(scheduler, num_reqs)
         warm_up(scheduler, runner, num_reqs)
         gc.collect()  # start each timed window without the warm-up's garbage

@@ -144,8 +144,10 @@ def simulate_command(args: argparse.Namespace) -> int:
         CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks),
         spec,
     )
-    runner = SimulatedRunner(spec.method if spec else None, acceptance=args.acceptance,
-                             seed=args.seed)
+    # Strict: the runner holds the scheduler's limits and checks every step as the
+    # model runner would (k rule, positions, KV slots, each pass against B).
+    runner = SimulatedRunner.for_scheduler(scheduler, acceptance=args.acceptance,
+                                           seed=args.seed)
     workload = make_workload(WorkloadConfig(num_decoders=args.num_decoders,
                                             num_long=args.num_long, seed=args.seed,
                                             long_prompt=(512, 2048)))
