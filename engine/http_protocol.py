@@ -19,33 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-
-@dataclass(frozen=True)
-class ConnectionLimits:
-    """Seconds and counts; the CLI's defaults (`specbudget serve --help`)."""
-
-    header_timeout: float = 10.0
-    keep_alive_timeout: float = 5.0
-    body_timeout: float = 30.0
-    max_connections: int = 1024
-
-    def __post_init__(self) -> None:
-        for name in ("header_timeout", "keep_alive_timeout", "body_timeout"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
-        if self.max_connections < 1:
-            raise ValueError(f"--max-connections must be >= 1, got {self.max_connections}")
+from engine.connection_limits import ConnectionLimits
+from engine.protocol import APIError
 
 
-def _refusal(status: str, message: str, code: str) -> bytes:
-    body = json.dumps({"error": {"message": message, "type": "server_error", "param": None,
-                                 "code": code}}).encode()
+def _refusal(status: str, error: APIError) -> bytes:
+    """A whole HTTP response carrying `error`'s OpenAI error object, then close."""
+    body = json.dumps(error.body()).encode()
     head = (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
     return head.encode() + body
@@ -61,10 +45,10 @@ class _GuardedH11(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
-            transport.write(_refusal(
-                "503 Service Unavailable",
+            transport.write(_refusal("503 Service Unavailable", APIError(
                 f"The server has {self.limits.max_connections} connections open, its limit "
-                "(--max-connections); retry later", "too_many_connections"))
+                "(--max-connections); retry later", status=503,
+                code="too_many_connections", type="server_error")))
             transport.close()
             return
         self._arm_header_timer()

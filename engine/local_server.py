@@ -17,7 +17,8 @@ from typing import Any
 import uvicorn
 
 from engine.async_engine import EngineShutdownError, ServingEngine
-from engine.http_protocol import ConnectionLimits, guarded_protocol
+from engine.connection_limits import ConnectionLimits
+from engine.http_protocol import guarded_protocol
 
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds; uvicorn's and vLLM's order of magnitude
 
@@ -67,7 +68,8 @@ class DrainingServer(uvicorn.Server):
 
 
 class ServerThread:
-    """uvicorn serving `app` on 127.0.0.1 at a free port, in a daemon thread."""
+    """uvicorn serving `app` (from `build_app`: its connection limits come with it) on
+    127.0.0.1 at a free port, in a daemon thread."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", log_level: str = "warning",
                  engine: ServingEngine | None = None,
@@ -77,9 +79,7 @@ class ServerThread:
         self.sock.bind((host, 0))
         self.port = int(self.sock.getsockname()[1])
         self.base_url = f"http://{host}:{self.port}"
-        config = (uvicorn_config(app, log_level=log_level, timeout_graceful_shutdown=5)
-                  if hasattr(getattr(app, "state", None), "limits")
-                  else uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+        config = uvicorn_config(app, log_level=log_level, timeout_graceful_shutdown=5)
         self.server = (uvicorn.Server(config) if engine is None
                        else DrainingServer(config, engine, shutdown_timeout))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},

@@ -36,6 +36,7 @@ from engine.async_engine import (
     RequestFailedError,
     ServingEngine,
 )
+from engine.connection_limits import ConnectionLimits
 from engine.formats import (
     ChatFormat,
     ChoiceState,
@@ -46,7 +47,6 @@ from engine.formats import (
     ModelList,
     apply_delta,
 )
-from engine.http_protocol import ConnectionLimits
 from engine.json_body import DEFAULT_MAX_BODY_BYTES
 from engine.output import RequestDelta
 from engine.streams import Choices, ClientGone, EventStream, until_disconnected

@@ -48,6 +48,13 @@ def device_memory_bytes(device: torch.device) -> int | None:
         return None
 
 
+def _logits_rows(step: PreparedStep) -> tuple[np.ndarray, np.ndarray]:
+    """(first row, rows) of each sampling request's block of logits: it owns 1 + s
+    rows, in order (s = 2, 0: starts [0, 3], counts [3, 1])."""
+    counts = 1 + step.num_spec[step.samples]
+    return np.concatenate(([0], np.cumsum(counts)[:-1])), counts
+
+
 class ModelRunner:
     """Owns the model, the KV cache, the persistent buffers and per-request rows."""
 
@@ -295,12 +302,13 @@ class ModelRunner:
         those tokens are rejected as the target would reject them. Logprobs stay the
         raw logits'. `logits` itself when no row needs it (a copy otherwise)."""
         states = self.states
+        if not states.min_tokens:  # the common step: nothing to look up
+            return logits
         rows = step.rows[step.samples].tolist()
         pending = [(j, row) for j, row in enumerate(rows) if row in states.min_tokens]
         if not pending:
             return logits
-        starts = np.concatenate(([0], np.cumsum(1 + step.num_spec[step.samples])[:-1]))
-        counts = 1 + step.num_spec[step.samples]
+        starts, counts = _logits_rows(step)
         masked = logits.clone()
         for j, row in pending:
             min_tokens, stops = states.min_tokens[row]
@@ -319,8 +327,7 @@ class ModelRunner:
         asked = self.states.num_logprobs[step.rows[step.samples]]
         if not (asked >= 0).any():
             return {}
-        # Each sampling request owns 1 + s logits rows, in order: [0, 3, 4] etc.
-        starts = np.concatenate(([0], np.cumsum(1 + step.num_spec[step.samples])[:-1]))
+        starts, _ = _logits_rows(step)
         sampling_ids = [step.req_ids[i] for i in np.flatnonzero(step.samples)]
         result: dict[str, list[Logprobs]] = {}
         for j, n in enumerate(asked.tolist()):

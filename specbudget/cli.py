@@ -18,6 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.connection_limits import ConnectionLimits
 from engine.json_body import DEFAULT_MAX_BODY_BYTES
 from engine.simulate import simulate_command
 from runner.model_prep import DEFAULT_MODEL_NAME
@@ -149,15 +150,19 @@ def _add_serve_parser(sub: Any) -> None:
                        default=DEFAULT_MAX_BODY_BYTES,
                        metavar="BYTES", help="larger request bodies get 413 before they are "
                        "read (default 4M)")
-    serve.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
-                       help="a connection must send a request's headers within this "
-                       "(default 10)")
-    serve.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
-                       help="an idle keep-alive connection is closed after this (default 5)")
-    serve.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
-                       help="a request body must arrive within this, else 408 (default 30)")
-    serve.add_argument("--max-connections", type=int, default=1024, metavar="N",
-                       help="past N open connections a new one gets 503 (default 1024)")
+    limits = ConnectionLimits()  # the defaults, stated once
+    serve.add_argument("--header-timeout", type=float, default=limits.header_timeout,
+                       metavar="SECONDS", help="a connection must send a request's headers "
+                       "within this (default %(default)g)")
+    serve.add_argument("--keep-alive-timeout", type=float, default=limits.keep_alive_timeout,
+                       metavar="SECONDS", help="an idle keep-alive connection is closed "
+                       "after this (default %(default)g)")
+    serve.add_argument("--body-timeout", type=float, default=limits.body_timeout,
+                       metavar="SECONDS", help="a request body must arrive within this, "
+                       "else 408 (default %(default)g)")
+    serve.add_argument("--max-connections", type=int, default=limits.max_connections,
+                       metavar="N", help="past N open connections a new one gets 503 "
+                       "(default %(default)d)")
     serve.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
                        help="on SIGTERM, how long requests in flight may finish; then "
                        "streams end with an error event and others get 503 (default 5)")
@@ -276,7 +281,6 @@ def _serving_engine(args: argparse.Namespace, config: EngineConfig,
 def serve(args: argparse.Namespace) -> int:
     import prometheus_client
 
-    from engine.http_protocol import ConnectionLimits
     from engine.local_server import DrainingServer, uvicorn_config
     from engine.server import build_app
 

@@ -11,7 +11,7 @@ import torch
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.http_protocol import ConnectionLimits
+from engine.connection_limits import ConnectionLimits
 from engine.local_server import ServerThread, serve_in_thread
 from runner.model_loader import load_model
 from runner.model_prep import resolve_model

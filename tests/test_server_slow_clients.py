@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.http_protocol import ConnectionLimits
+from engine.connection_limits import ConnectionLimits
 from tests.server_helpers import ServerThread, make_engine, serve
 
 pytestmark = pytest.mark.model  # loads the real default model
