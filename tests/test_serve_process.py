@@ -53,15 +53,18 @@ def serve_process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
         proc.wait(30)
 
 
+def stream_events(base: str) -> list[str]:
+    """The `data:` lines of one long streamed completion, however it ends."""
+    with httpx.stream("POST", base + C, json={**LONG, "stream": True}, timeout=60) as response:
+        return [line for line in response.iter_lines() if line.startswith("data: ")]
+
+
 def test_sigterm_ends_requests_in_flight_after_the_shutdown_timeout() -> None:
     with serve_process("--shutdown-timeout", "1") as (proc, base):
         results: dict[str, object] = {}
 
         def stream() -> None:
-            with httpx.stream("POST", base + C, json={**LONG, "stream": True},
-                              timeout=60) as response:
-                results["events"] = [line for line in response.iter_lines()
-                                     if line.startswith("data: ")]
+            results["events"] = stream_events(base)
 
         def plain() -> None:
             results["plain"] = httpx.post(base + C, json=LONG, timeout=60)
@@ -110,10 +113,7 @@ def test_sigterm_answers_a_half_sent_upload_and_exits_within_the_timeout() -> No
         results: dict[str, object] = {}
 
         def stream() -> None:
-            with httpx.stream("POST", base + C, json={**LONG, "stream": True},
-                              timeout=60) as response:
-                results["events"] = [line for line in response.iter_lines()
-                                     if line.startswith("data: ")]
+            results["events"] = stream_events(base)
 
         thread = threading.Thread(target=stream)
         thread.start()
