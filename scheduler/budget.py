@@ -1,8 +1,8 @@
 """The throttle: per-pass budgets and the largest chunk a request may take.
 
-Pure decisions (`k_rule`, `plan_chunk`) are separate from the mutable ledger of a
-step (`StepBudget`, step_budget.py), so a policy can be computed and tested without
-touching state.
+Pure decisions (`k_rule`, `plan_chunk`, and `ThrottleRule.tables`, which the bulk plan
+reads) are separate from the one mutable store of a step (`StepRecord`,
+step_record.py), so a policy can be computed and tested without touching state.
 
 One step runs the target pass and each drafter pass of the method; every one starts
 with B = max_num_batched_tokens rows. A request scheduled with n tokens that proposes
@@ -13,6 +13,7 @@ method's cost table, spec_decode/methods/).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -32,6 +33,9 @@ class ChunkPlan:
     rule_drafts: int = 0
 
 
+Counts = int | np.ndarray  # one request's counter, or one per request
+
+
 @dataclass(frozen=True)
 class RequestView:
     """The counters of a request that the throttle reads (a snapshot, never mutated)."""
@@ -43,24 +47,17 @@ class RequestView:
     max_tokens: int
 
 
-def k_rule(max_k: int, max_model_len: int, req: RequestView, num_spec: int) -> int:
-    """k for a request that samples this step after verifying `num_spec` (s) drafts.
+def k_rule(max_k: int, max_model_len: int, num_tokens: Counts, num_output: Counts,
+           max_tokens: Counts, num_spec: Counts) -> np.ndarray:
+    """k for requests that sample this step after verifying `num_spec` (s) drafts.
 
-    Both cuts take the worst case: this step emits up to s + 1 tokens and the next
-    step up to k + 1 (its k drafts all accepted, plus a bonus token). So after two
-    steps the request holds at most `max_model_len` tokens and has emitted at most
-    `max_tokens`: no draft is proposed that could not be used, and no position at or
-    past `max_model_len` is ever written (DESIGN.md §2).
+    Takes one request's counters or arrays of many (the bulk plan): one rule, so the
+    two deciders cannot drift apart. Both cuts take the worst case: this step emits up
+    to s + 1 tokens and the next step up to k + 1 (its k drafts all accepted, plus a
+    bonus token). So after two steps the request holds at most `max_model_len` tokens
+    and has emitted at most `max_tokens`: no draft is proposed that could not be used,
+    and no position at or past `max_model_len` is ever written (DESIGN.md §2).
     """
-    return max(0, min(max_k,
-                      max_model_len - (req.num_tokens + num_spec + 2),
-                      req.max_tokens - (req.num_output_tokens + num_spec) - 2))
-
-
-def k_rule_array(max_k: int, max_model_len: int, num_tokens: np.ndarray,
-                 num_output: np.ndarray, max_tokens: np.ndarray,
-                 num_spec: np.ndarray) -> np.ndarray:
-    """`k_rule` for many requests at once (all arrays [num_reqs])."""
     room = np.minimum(max_model_len - (num_tokens + num_spec + 2),
                       max_tokens - (num_output + num_spec) - 2)
     return np.clip(room, 0, max_k)
@@ -87,8 +84,15 @@ class ThrottleRule:
         """Rows each pass may take in a fresh step; every pass gets all of B."""
         return [max_num_batched_tokens] * self.num_passes
 
-    def row_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """The cost table as arrays, for planning many requests at once.
+    def k(self, num_tokens: Counts, num_output: Counts, max_tokens: Counts,
+          num_spec: Counts) -> np.ndarray:
+        """`k_rule` under this rule's K and max_model_len (scalars or arrays)."""
+        return k_rule(self.max_k, self.max_model_len, num_tokens, num_output, max_tokens,
+                      num_spec)
+
+    @cached_property  # derived once per rule: a swapped rule brings its own tables
+    def tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The cost table as arrays, for the bulk plan (scheduler/bulk_plan.py).
 
         (ctx [num_passes], base [max_k + 1, num_passes], lookahead [max_k + 1]): a
         chunk of n tokens proposing k drafts charges `n * ctx + base[k]` rows and holds
@@ -130,7 +134,7 @@ def plan_chunk(rule: ThrottleRule, remaining: list[int], req: RequestView,
     linear = min([max_chunk] + [rem for rem, ctx in zip(remaining, rule.context) if ctx])
     for n in range(linear, first - 1, -1):
         s = n - first
-        k_max = k_rule(rule.max_k, rule.max_model_len, req, s)
+        k_max = int(rule.k(req.num_tokens, req.num_output_tokens, req.max_tokens, s))
         for k in range(k_max, -1, -1) if rule.adaptive else (k_max,):
             plan = rule.plan(n, s, k)
             if _fits(plan, remaining):

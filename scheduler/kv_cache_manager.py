@@ -111,17 +111,11 @@ class KVCacheManager:
         blocks.extend(self.pool.allocate(new))
         return True
 
-    def append_blocks(self, requests: Sequence[Request],
-                      counts: np.ndarray) -> dict[str, list[int]]:
+    def append_blocks(self, requests: Sequence[Request], counts: np.ndarray) -> None:
         """Give `counts[i]` more blocks to running request i (the caller checked that
-        the pool holds them all); returns the new block ids of those that got any."""
-        new_ids = {}
+        the pool holds them all)."""
         for i in np.flatnonzero(counts).tolist():  # most decoding steps fill no block
-            rid = requests[i].request_id
-            blocks = self.pool.allocate(int(counts[i]))
-            self.req_blocks[rid].extend(blocks)
-            new_ids[rid] = [block.block_id for block in blocks]
-        return new_ids
+            self.req_blocks[requests[i].request_id].extend(self.pool.allocate(int(counts[i])))
 
     def cache_full_blocks(self, requests: Iterable[Request]) -> None:
         """Register every full block of verified, computed tokens in the prefix cache.

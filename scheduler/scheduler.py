@@ -9,7 +9,10 @@ request (the newest under FCFS) when the pool is short.
 
 from __future__ import annotations
 
+import numpy as np
+
 from scheduler.budget import RequestView, ThrottleRule, check_budget_config, plan_chunk
+from scheduler.bulk_plan import RunningCounters, plan_bulk
 from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.outputs import (
@@ -22,10 +25,9 @@ from scheduler.outputs import (
 )
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import make_queue
-from scheduler.running_plan import RunningPlanner, RunningState, RunPlan
 from scheduler.stats import SchedulerStats
-from scheduler.step_budget import StepBudget
 from scheduler.step_output import build_output
+from scheduler.step_record import StepRecord
 from scheduler.update import append_tokens, count_accepted, in_schedule_order
 from spec_decode import SpeculativeConfig
 
@@ -46,11 +48,10 @@ class Scheduler:
                                          adaptive)
         check_budget_config(self.rule, speculative_config, scheduler_config.max_num_batched_tokens)
         self.kv = KVCacheManager(cache_config)
-        # Plans the running requests that take their whole chunk in one numpy pass;
-        # None plans every request with `plan_chunk` (the reference, for tests).
-        threshold = (scheduler_config.long_prefill_token_threshold
-                     if scheduler_config.enable_chunked_prefill else 0)
-        self.planner = RunningPlanner.for_rule(self.rule, cache_config.block_size, threshold)
+        # The bulk plan takes the running requests that take their whole chunk in one
+        # numpy pass, whenever the rule is tabled; False plans every request with
+        # `plan_chunk` (the reference, for tests).
+        self.plan_in_bulk = True
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -140,12 +141,22 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then waiting ones in order."""
-        budget = StepBudget(self.rule, self.config.max_num_batched_tokens)
+        record = self._record()
         preempted: set[str] = set()
-        new_block_ids: dict[str, list[int]] = {}
-        self._schedule_running(budget, preempted, new_block_ids)
-        admitted = [] if preempted else self._schedule_waiting(budget)
-        return self._apply(budget, admitted, new_block_ids, preempted)
+        self._schedule_running(record, preempted)
+        if not preempted:
+            self._schedule_waiting(record)
+        return self._apply(record, preempted)
+
+    def _record(self) -> StepRecord:
+        """The step record, reset; built again only if the rule was swapped."""
+        record = getattr(self, "_step_record", None)
+        if record is None or record.rule is not self.rule:
+            record = StepRecord(self.rule, self.config.max_num_batched_tokens,
+                                self.config.max_num_seqs)
+            self._step_record = record
+        record.reset()
+        return record
 
     def _view(self, request: Request, num_computed: int | None = None) -> RequestView:
         return RequestView(
@@ -164,74 +175,69 @@ class Scheduler:
             return min(num_pending, threshold)
         return num_pending
 
-    def _schedule_running(self, budget: StepBudget, preempted: set[str],
-                          new_block_ids: dict[str, list[int]]) -> None:
-        held: dict[str, int] = {}  # blocks each request held before this step
-        run = self._charge_run(budget, new_block_ids)
-        for request in self.running[run.count if run else 0:]:  # a copy: preemption edits
+    def _schedule_running(self, record: StepRecord, preempted: set[str]) -> None:
+        bulk = self._plan_bulk(record)
+        for request in self.running[bulk:]:  # a copy: preemption edits the list
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room
             view = self._view(request)
             pending = request.num_tokens_with_spec - request.num_computed_tokens
-            plan = plan_chunk(self.rule, budget.remaining, view, self._max_chunk(pending),
+            plan = plan_chunk(self.rule, record.remaining, view, self._max_chunk(pending),
                               allow_partial=True)
             if plan is None:
                 continue
-            held[request.request_id] = len(self.kv.req_blocks.get(request.request_id, ()))
+            held = len(self.kv.req_blocks.get(request.request_id, ()))
             while not self.kv.allocate_slots(request, plan.num_tokens, plan.lookahead):
                 victim = self._pick_victim()
-                self._preempt(victim, budget, preempted)
+                self._preempt(victim, record, preempted)
                 if victim is request:
                     break
             if request.status == RequestStatus.RUNNING:
-                budget.charge(request.request_id, plan)
-        if budget.num_refunds:
-            if run is not None:  # a refund may have turned the run into single charges
-                held.update(zip((r.request_id for r in run.requests),
-                                run.held_blocks.tolist()))
-            self._offer_refunds(budget)
-        for rid in budget.charges:
-            new_block_ids[rid] = self.kv.block_ids(rid, held[rid])
+                record.append(request, plan, held, self._num_blocks(request) - held)
+        if record.num_refunds:
+            self._offer_refunds(record)
 
-    def _charge_run(self, budget: StepBudget,
-                    new_block_ids: dict[str, list[int]]) -> RunPlan | None:
-        """Plan, charge and give KV to the leading run of running requests that take
-        their whole chunk (scheduler/running_plan.py); the loop does the rest."""
-        if self.planner is None or not self.running:
-            return None
-        state = RunningState.gather(self.running, self.kv.req_blocks)
-        run = self.planner.plan_running(self.running, state, budget.remaining,
-                                        self.kv.pool.num_free_blocks)
-        if not run.count:
-            return None
-        budget.charge_run(run)
-        new_block_ids.update(self.kv.append_blocks(run.requests, run.new_blocks))
-        return run
+    def _num_blocks(self, request: Request) -> int:
+        return len(self.kv.req_blocks.get(request.request_id, ()))
 
-    def _offer_refunds(self, budget: StepBudget) -> None:
+    def _plan_bulk(self, record: StepRecord) -> int:
+        """Plan, charge and give KV to the leading running requests that take their
+        whole chunk (scheduler/bulk_plan.py); return how many. The loop does the rest."""
+        if not (self.plan_in_bulk and self.running and self.rule.tables is not None):
+            return 0
+        counters = RunningCounters.gather(self.running, self.kv.req_blocks)
+        threshold = (self.config.long_prefill_token_threshold
+                     if self.config.enable_chunked_prefill else 0)
+        count = plan_bulk(record, self.running, counters, self.kv.pool.num_free_blocks,
+                          self.kv.block_size, threshold)
+        self.kv.append_blocks(self.running[:count], record.new_blocks[:count])
+        return count
+
+    def _offer_refunds(self, record: StepRecord) -> None:
         """Under priority a victim may be preempted after requests behind it were
         planned with the rows it held: offer the refund back to each, in order. A
         larger chunk is taken only if the KV pool holds it without preempting more."""
-        for rid in list(budget.charges):  # each is re-charged in turn: order is kept
-            request = self.requests[rid]
-            old = budget.refund(rid)
+        for i in np.flatnonzero(record.live[:record.count]).tolist():
+            request = record.requests[i]
+            old = record.refund(i)
             pending = request.num_tokens_with_spec - request.num_computed_tokens
-            plan = plan_chunk(self.rule, budget.remaining, self._view(request),
+            plan = plan_chunk(self.rule, record.remaining, self._view(request),
                               self._max_chunk(pending), allow_partial=True)
             if plan is None or plan.num_tokens <= old.num_tokens or not \
                     self.kv.allocate_slots(request, plan.num_tokens, plan.lookahead):
                 plan = old
-            budget.charge(rid, plan)
+            record.restore(i, plan, self._num_blocks(request) - int(record.held_blocks[i]))
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, request: Request, budget: StepBudget, preempted: set[str]) -> None:
+    def _preempt(self, request: Request, record: StepRecord, preempted: set[str]) -> None:
         """Recompute-style preemption: free its blocks, refund its charge, requeue."""
-        if budget.is_charged(request.request_id):
-            budget.refund(request.request_id)
+        row = record.index(request.request_id)
+        if row is not None:
+            record.refund(row)
         self._recompute_later(request)
         preempted.add(request.request_id)
 
@@ -247,13 +253,12 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.readd_preempted(request)
 
-    def _schedule_waiting(self, budget: StepBudget) -> list[Request]:
+    def _schedule_waiting(self, record: StepRecord) -> None:
         """Admit from the head of the queue until one does not fit (no skipping).
 
         At most one suspect (`Request.suspect`) runs at a time, so a step that fails
         again is traced to it; a second suspect waits, and so does everyone behind it.
         """
-        admitted = []
         suspect_in_step: bool | None = None  # looked up only when a suspect is next
         while len(self.waiting) and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
@@ -265,7 +270,7 @@ class Scheduler:
                 suspect_in_step = True
             prefix = self.kv.find_prefix(request)
             num_cached = len(prefix) * self.kv.block_size
-            plan = plan_chunk(self.rule, budget.remaining, self._view(request, num_cached),
+            plan = plan_chunk(self.rule, record.remaining, self._view(request, num_cached),
                               self._max_chunk(request.num_tokens - num_cached),
                               allow_partial=self.config.enable_chunked_prefill)
             if plan is None:
@@ -276,52 +281,46 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            budget.charge(request.request_id, plan)
+            record.append(request, plan, 0, self._num_blocks(request), admitted=True)
             self.stats.num_prefix_hit_tokens += num_cached
-            admitted.append(request)
-        return admitted
 
-    def _apply(self, budget: StepBudget, admitted: list[Request],
-               new_block_ids: dict[str, list[int]], preempted: set[str]) -> SchedulerOutput:
-        """Commit the plan: advance computed counts, drop drafts that did not fit.
+    def _apply(self, record: StepRecord, preempted: set[str]) -> SchedulerOutput:
+        """Commit the record: advance computed counts, drop drafts that did not fit.
 
-        Running requests (the run, and those in `new_block_ids`) are reported as
-        cached with their computed count before the step; admitted ones as new."""
-        new_reqs = [self._new_request_data(r) for r in admitted]
-        cached = CachedRequestData()
+        Running requests are reported as cached with their computed count before the
+        step and the blocks given this step; admitted ones (the record's last rows) as
+        new."""
+        live = record.live_rows()
+        requests = record.requests if isinstance(live, slice) else \
+            [record.requests[i] for i in live.tolist()]
+        num_running = len(requests) - record.num_admitted
+        new_reqs = [self._new_request_data(r) for r in requests[num_running:]]
+        req_ids = [r.request_id for r in requests]
         spec_tokens: dict[str, list[int]] = {}
-        run_ids: list[str] = []
-        if budget.run is not None:
-            run = budget.run
-            for request, n, s in zip(run.requests, run.num_tokens.tolist(),
-                                     run.num_spec.tolist()):
-                rid = request.request_id
-                run_ids.append(rid)
-                spec = request.spec_token_ids
-                if len(spec) > s:  # a chunk capped by long_prefill_token_threshold
-                    del spec[s:]
-                if s:
-                    spec_tokens[rid] = list(spec)
-                request.num_computed_tokens += n
-            cached.req_ids.extend(run_ids)
-            cached.num_computed_tokens.extend(run.num_computed.tolist())
-            no_blocks: list[int] = []  # shared: the runner only reads it
-            cached.new_block_ids.extend([new_block_ids.get(rid, no_blocks) for rid in run_ids])
-        for rid, plan in budget.charges.items():
-            request = self.requests[rid]
-            if rid in new_block_ids:
-                cached.req_ids.append(rid)
-                cached.new_block_ids.append(new_block_ids[rid])
-                cached.num_computed_tokens.append(request.num_computed_tokens)
-            del request.spec_token_ids[plan.num_spec:]
-            if plan.num_spec:
-                spec_tokens[rid] = list(request.spec_token_ids)
-            request.num_computed_tokens += plan.num_tokens
+        for request, n, s in zip(requests, record.num_tokens[live].tolist(),
+                                 record.num_spec[live].tolist()):
+            spec = request.spec_token_ids
+            if len(spec) > s:  # a chunk cut short by the budget or the threshold
+                del spec[s:]
+            if s:
+                spec_tokens[request.request_id] = list(spec)
+            request.num_computed_tokens += n
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
-        output = build_output(budget, run_ids, new_reqs, cached, spec_tokens, preempted,
-                              finished, self.config.max_num_batched_tokens)
+        output = build_output(record, req_ids, new_reqs, self._cached(record, req_ids, num_running),
+                              spec_tokens, preempted, finished)
         self.stats.record_step(output)
         return output
+
+    def _cached(self, record: StepRecord, req_ids: list[str],
+                num_running: int) -> CachedRequestData:
+        """The running rows: computed counts before the step, blocks given this step."""
+        live = record.live_rows()
+        held = record.held_blocks[live][:num_running]
+        new_ids: list[list[int]] = [[]] * num_running  # shared: the runner only reads it
+        for i in np.flatnonzero(record.new_blocks[live][:num_running]).tolist():
+            new_ids[i] = self.kv.block_ids(req_ids[i], int(held[i]))
+        return CachedRequestData(req_ids[:num_running], new_ids,
+                                 record.num_computed[live][:num_running].tolist())
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(

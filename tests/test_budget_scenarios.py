@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
+import numpy as np
 import pytest
 
 from runner import BudgetInvariantError, check_pass_rows
 from runner.simulated import SimulatedRunner
 from scheduler.budget import RequestView, ThrottleRule, k_rule, plan_chunk
-from scheduler.step_budget import StepBudget
+from scheduler.step_record import StepRecord
 from spec_decode import METHODS, SpeculativeConfig
+from spec_decode.methods import SpecMethod, method_names, registered
 from tests.helpers import drain, make_request, make_scheduler, run_step
 
 # DESIGN.md §1, restated: rows of each drafter pass for n scheduled tokens, k drafts.
+# Written out by hand on purpose, never read from the method classes: it is the oracle
+# their cost tables are checked against. A new method adds its row here.
 TABLE = {
     "ngram": lambda n, k: {},
     "suffix": lambda n, k: {},
@@ -26,11 +28,39 @@ TABLE = {
 }
 
 
+def design_rows(method: str, n: int, k: int) -> dict[str, int]:
+    """TABLE's rows for `method`; a method the table lacks fails the test by name."""
+    if method not in TABLE:
+        pytest.fail(f"method {method!r} is registered but has no row in this file's TABLE: "
+                    "restate its DESIGN.md §1 rows there")
+    return TABLE[method](n, k)
+
+
+def missing_from_table() -> list[str]:
+    return sorted(set(method_names()) - TABLE.keys())
+
+
+def test_the_table_covers_every_registered_method() -> None:
+    missing = missing_from_table()
+    assert not missing, f"registered methods without a row in TABLE: {missing}"
+
+
+def test_a_registered_method_missing_from_the_table_is_named() -> None:
+    class Absent(SpecMethod):
+        name = "absent-from-table"
+
+    with registered(Absent):
+        assert missing_from_table() == ["absent-from-table"]
+        with pytest.raises(pytest.fail.Exception, match="method 'absent-from-table' is "
+                                                        "registered but has no row"):
+            design_rows("absent-from-table", 1, 1)
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("n,k", [(1, 0), (7, 0), (1, 1), (5, 4), (3, 2)])
 def test_layout_matches_design_table(method: str, n: int, k: int) -> None:
     spec_method = SpeculativeConfig(method, 4).spec_method
-    assert dict(zip(spec_method.pass_names, spec_method.rows(n, k))) == TABLE[method](n, k)
+    assert dict(zip(spec_method.pass_names, spec_method.rows(n, k))) == design_rows(method, n, k)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -45,7 +75,7 @@ def test_decode_step_charges_table_rows(method: str) -> None:
     assert out.num_scheduled_tokens == {"r0": 5, "r1": 5}
     assert out.num_draft_tokens == {"r0": 4, "r1": 4}
     expected = {"target": 10}
-    for name, rows in TABLE[method](5, 4).items():
+    for name, rows in design_rows(method, 5, 4).items():
         expected[name] = 2 * rows
     assert out.pass_rows == expected
     assert out.num_drafter_tokens == max([v for n, v in expected.items() if n != "target"],
@@ -132,7 +162,7 @@ def test_partial_prefill_chunk_is_charged_no_drafting_rows(method: str) -> None:
     assert chunks[:-1] == [32, 32, 32]
     # The last chunk samples: it carries k = 4 and the method's extra rows.
     assert chunks[-1] == 4 and out.num_draft_tokens == {"p": 4}
-    assert out.num_drafter_tokens == max(TABLE[method](4, 4).values())
+    assert out.num_drafter_tokens == max(design_rows(method, 4, 4).values())
 
 
 def test_drafts_stop_at_max_model_len() -> None:
@@ -155,15 +185,23 @@ def test_drafts_stop_at_max_model_len() -> None:
 
 
 def test_k_rule_counts_verified_drafts_in_both_cuts() -> None:
-    """s drafts verified now may all be accepted: both cuts leave room for them."""
-    view = RequestView(num_computed_tokens=20, num_tokens=21, num_spec_tokens=3,
-                       num_output_tokens=5, max_tokens=12)
+    """s drafts verified now may all be accepted: both cuts leave room for them
+    (21 tokens known, 5 of them outputs, 3 drafts verified)."""
     # max_tokens cut: 12 - (5 + 3) - 2 = 2; without s it would be 5.
-    assert k_rule(4, 1000, view, 3) == 2
+    assert k_rule(4, 1000, 21, 5, 12, 3) == 2
     # max_model_len cut: 30 - (21 + 3 + 2) = 4, and 29 - 26 = 3.
-    assert k_rule(8, 30, replace(view, max_tokens=100), 3) == 4
-    assert k_rule(8, 29, replace(view, max_tokens=100), 3) == 3
-    assert k_rule(8, 26, replace(view, max_tokens=100), 3) == 0
+    assert k_rule(8, 30, 21, 5, 100, 3) == 4
+    assert k_rule(8, 29, 21, 5, 100, 3) == 3
+    assert k_rule(8, 26, 21, 5, 100, 3) == 0
+
+
+def test_k_rule_on_arrays_is_the_rule_on_each_request() -> None:
+    """The bulk plan's call (arrays) and plan_chunk's (one request) are one rule."""
+    tokens, output, max_tokens, spec = [21, 21, 21, 40], [5, 5, 5, 0], [12, 100, 100, 50], \
+        [3, 3, 0, 1]
+    many = k_rule(8, 29, *(np.array(a) for a in (tokens, output, max_tokens, spec)))
+    assert many.tolist() == [int(k_rule(8, 29, *one))
+                             for one in zip(tokens, output, max_tokens, spec)] == [2, 3, 6, 0]
 
 
 def test_drafts_cut_by_remaining_max_tokens() -> None:
@@ -218,25 +256,31 @@ def test_plan_chunk_is_largest_fit() -> None:
             fits = []
             for n in range(1, tokens + spec - computed + 1):
                 s = max(0, n - (tokens - computed))
-                k = k_rule(4, 100, req, s) if n >= tokens - computed else 0
+                k = k_rule(4, 100, tokens, 1, 50, s) if n >= tokens - computed else 0
                 rows = (n, n + k if k else n)
                 if all(r <= rem for r, rem in zip(rows, remaining)):
                     fits.append(n)
             assert (plan.num_tokens if plan else None) == (max(fits) if fits else None)
 
 
-def test_step_budget_refund_is_exact() -> None:
+def test_step_record_refund_is_exact() -> None:
+    """A refund gives back exactly the row's charge and masks it; restoring it keeps
+    its place in the step's order."""
     rule = ThrottleRule(SpeculativeConfig("dflash", 4).spec_method, 4, 100)
-    budget = StepBudget(rule, 64)
+    record = StepRecord(rule, 64, 4)
     a = rule.plan(5, 4, 4)
     b = rule.plan(10, 0, 0)
-    budget.charge("a", a)
-    budget.charge("b", b)
-    assert budget.remaining == [64 - 15, 64 - 15, 64 - 5]
-    budget.refund("a")
-    assert budget.remaining == [54, 54, 64]
-    budget.refund("b")
-    assert budget.remaining == [64, 64, 64]
+    record.append(make_request("a", 4), a, 0, 0)
+    record.append(make_request("b", 4), b, 0, 0)
+    assert record.remaining == [64 - 15, 64 - 15, 64 - 5]
+    assert record.refund(record.index("a")) == a
+    assert record.remaining == [54, 54, 64] and record.index("a") is None
+    assert record.plans() == [b]
+    record.restore(0, a, 0)
+    assert record.plans() == [a, b] and record.remaining == [49, 49, 59]
+    record.refund(0)
+    record.refund(1)
+    assert record.remaining == [64, 64, 64] and record.plans() == []
 
 
 def test_preemption_refunds_charge_and_rows_still_match() -> None:

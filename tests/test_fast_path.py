@@ -1,14 +1,15 @@
-"""The scheduler's fast path decides exactly what its reference does.
+"""The scheduler's bulk plan decides exactly what its reference does.
 
-- `RunningPlanner.plan_running` (numpy, the whole running set at once) against
+- `plan_bulk` (numpy, the whole running set at once) against
   `plan_chunk` called request by request, on random running sets, budgets, KV pools
   and rules of every method (tests below draw them with hypothesis);
-- whole schedulers with and without the planner, step by step on random workloads
+- whole schedulers with and without the bulk plan, step by step on random workloads
   (arrivals, priorities, tight KV pools that preempt, aborts, stop tokens), must
   produce equal `SchedulerOutput`s and equal engine outputs;
 - the bulk token append and the bulk acceptance counts against their one-by-one forms.
 
-Each comparison is shown to fail on a deliberately broken fast path.
+Each comparison is shown to fail on a deliberately broken bulk plan (a rule whose
+tables, the bulk plan's only input besides the shared k rule, are wrong).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from hypothesis import strategies as st
 from runner.simulated import SimulatedRunner
 from scheduler import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.budget import ChunkPlan, RequestView, ThrottleRule, plan_chunk
+from scheduler.bulk_plan import RunningCounters, plan_bulk
 from scheduler.request import RequestStatus
-from scheduler.running_plan import RunningPlanner, RunningState
 from scheduler.stats import SpecDecodingStats
+from scheduler.step_record import StepRecord
 from scheduler.update import _append_one_by_one, append_tokens
 from spec_decode import METHODS, SpeculativeConfig
 from spec_decode.methods import get_method
@@ -38,7 +40,7 @@ HUGE = 1 << 30
 
 @dataclass
 class FakeRunning:
-    """The counters `RunningState` reads, without a scheduler around them."""
+    """The counters `RunningCounters` holds, without a scheduler around them."""
 
     computed: int
     tokens: int
@@ -74,15 +76,19 @@ def reference_run(rule: ThrottleRule, reqs: list[FakeRunning], remaining: list[i
     return plans
 
 
-def planned(planner: RunningPlanner, reqs: list[FakeRunning], remaining: list[int],
-            free_blocks: int) -> list[ChunkPlan]:
-    state = RunningState(*(np.array([getattr(r, f) for r in reqs], dtype=np.int64)
-                           for f in ("computed", "tokens", "spec", "output", "max_tokens",
-                                     "blocks")))
-    run = planner.plan_running(reqs, state, remaining, free_blocks)  # type: ignore[arg-type]
-    return [ChunkPlan(*fields) for fields in zip(
-        run.num_tokens.tolist(), run.num_spec.tolist(), run.num_drafts.tolist(),
-        map(tuple, run.rows.tolist()), run.lookahead.tolist(), run.num_drafts.tolist())]
+def planned(rule: ThrottleRule, reqs: list[FakeRunning], remaining: list[int],
+            free_blocks: int, threshold: int) -> list[ChunkPlan]:
+    counters = RunningCounters(*(np.array([getattr(r, f) for r in reqs], dtype=np.int64)
+                                 for f in ("computed", "tokens", "spec", "output",
+                                           "max_tokens", "blocks")))
+    record = StepRecord(rule, 0, len(reqs))
+    record.remaining = list(remaining)
+    count = plan_bulk(record, reqs, counters, free_blocks, BLOCK,  # type: ignore[arg-type]
+                      threshold)
+    assert count == record.count
+    assert record.remaining == [rem - sum(p.rows[i] for p in record.plans())
+                                for i, rem in enumerate(remaining)]
+    return record.plans()
 
 
 @st.composite
@@ -108,45 +114,52 @@ def running_sets(draw: st.DrawFn) -> tuple:
 
 @settings(max_examples=300)
 @given(running_sets())
-def test_run_matches_plan_chunk(case: tuple) -> None:
+def test_bulk_matches_plan_chunk(case: tuple) -> None:
     rule, reqs, remaining, free_blocks, threshold = case
-    planner = RunningPlanner.for_rule(rule, BLOCK, threshold)
-    assert planner is not None
-    assert planned(planner, reqs, remaining, free_blocks) == \
+    assert rule.tables is not None
+    assert planned(rule, reqs, remaining, free_blocks, threshold) == \
         reference_run(rule, reqs, remaining, free_blocks, threshold)
 
 
-def _broken(planner: RunningPlanner, how: str) -> RunningPlanner:
-    rule = planner.rule
-    if how == "k_past_context":  # off by one in the k rule's max_model_len cut
-        planner.rule = ThrottleRule(rule.method, rule.max_k, rule.max_model_len + 1)
-    elif how == "rows_of_next_k":  # charges the rows of k + 1 drafts
-        planner.base = np.vstack([planner.base[1:], planner.base[-1:]])
-    elif how == "no_lookahead":  # forgets the drafter's KV slots past the chunk
-        planner.lookahead = np.zeros_like(planner.lookahead)
-    elif how == "ignores_threshold":
-        planner.threshold = 0
-    return planner
+class BrokenTables(ThrottleRule):
+    """A rule whose tables (what the bulk plan charges from) are wrong one way; its
+    `plan` (what `plan_chunk` charges from) is left right."""
+
+    def __init__(self, rule: ThrottleRule, how: str) -> None:
+        super().__init__(rule.method, rule.max_k, rule.max_model_len, rule.adaptive)
+        self.how = how
+
+    @property  # type: ignore[override]
+    def tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        tables = ThrottleRule.tables.func(self)  # type: ignore[attr-defined]
+        ctx, base, lookahead = tables
+        if self.how == "rows_of_next_k":  # charges the rows of k + 1 drafts
+            base = np.vstack([base[1:], base[-1:]])
+        elif self.how == "no_lookahead":  # forgets the drafter's KV slots past the chunk
+            lookahead = np.zeros_like(lookahead)
+        elif self.how == "context_in_every_pass":  # n rows in passes without context
+            ctx = np.ones_like(ctx)
+        return ctx, base, lookahead
 
 
-BREAKS = ["k_past_context", "rows_of_next_k", "no_lookahead", "ignores_threshold"]
+BREAKS = ["rows_of_next_k", "no_lookahead", "context_in_every_pass"]
 
 
 @pytest.mark.parametrize("how", BREAKS)
-def test_broken_run_is_caught(how: str) -> None:
-    """Each break changes the decision on this decoding set (the last request is near
-    max_model_len, so its k is cut); the comparison sees it."""
+def test_broken_bulk_plan_is_caught(how: str) -> None:
+    """Each break changes the decision on this decoding set; the comparison sees it.
+    (k is no break of the bulk plan: both deciders call the one `ThrottleRule.k`.)"""
     rule = _rule("dflash", 4, False, 60)
     reqs = [FakeRunning(c, c + 1, 4, 10, 200, -(-c // BLOCK)) for c in (15, 31, 54)]
     budget = [60] * rule.num_passes
     reference = reference_run(rule, reqs, budget, 30, 3)
-    planner = RunningPlanner.for_rule(rule, BLOCK, 3)
-    assert planner is not None
-    assert planned(planner, reqs, budget, 30) == reference
-    assert planned(_broken(planner, how), reqs, budget, 30) != reference
+    assert planned(rule, reqs, budget, 30, 3) == reference
+    assert planned(BrokenTables(rule, how), reqs, budget, 30, 3) != reference
+    # The threshold is the scheduler's, passed in: a bulk plan that ignored it differs.
+    assert planned(rule, reqs, budget, 30, 0) != reference
 
 
-# ---- whole schedulers, with and without the planner -------------------------------
+# ---- whole schedulers, with and without the bulk plan -----------------------------
 
 
 def _schedulers(method: str | None, k: int, policy: str, num_blocks: int, chunked: bool,
@@ -157,7 +170,7 @@ def _schedulers(method: str | None, k: int, policy: str, num_blocks: int, chunke
                                       long_prefill_token_threshold=threshold),
                       CacheConfig(block_size=BLOCK, num_blocks=num_blocks), spec)
             for _ in range(2)]
-    pair[1].planner = None  # the reference: every request through plan_chunk
+    pair[1].plan_in_bulk = False  # the reference: every request through plan_chunk
     return pair
 
 
@@ -188,7 +201,7 @@ def replay_pair(scheds: list[Scheduler], seed: int, steps: int) -> int:
         outs = [sched.schedule() for sched in scheds]
         assert outs[0] == outs[1], f"step {step}: schedules differ"
         bulk_steps += outs[0].num_reqs > len(outs[0].scheduled_new_reqs) and \
-            scheds[0].planner is not None
+            scheds[0].plan_in_bulk
         results = [runner.execute(out) for runner, out in zip(runners, outs)]
         updates = [s.update_from_output(o, r) for s, o, r in zip(scheds, outs, results)]
         assert updates[0] == updates[1], f"step {step}: updates differ"
@@ -204,7 +217,7 @@ def replay_pair(scheds: list[Scheduler], seed: int, steps: int) -> int:
        policy=st.sampled_from(["fcfs", "priority"]), num_blocks=st.sampled_from([40, 400]),
        chunked=st.booleans(), threshold=st.sampled_from([0, 2, 16]),
        adaptive=st.booleans(), extra=st.sampled_from([0, 8, 64]), seed=st.integers(0, 999))
-def test_schedulers_with_and_without_planner_agree(
+def test_schedulers_with_and_without_bulk_plan_agree(
         method: str | None, k: int, policy: str, num_blocks: int, chunked: bool,
         threshold: int, adaptive: bool, extra: int, seed: int) -> None:
     budget = (2 * k + 2 if method else 1) + extra
@@ -213,16 +226,15 @@ def test_schedulers_with_and_without_planner_agree(
     replay_pair(scheds, seed, 120)
 
 
-def test_whole_scheduler_comparison_catches_a_broken_planner() -> None:
+def test_whole_scheduler_comparison_catches_a_broken_bulk_plan() -> None:
     scheds = _schedulers("parallel", 4, "fcfs", 400, True, 0, False, 64)
-    assert scheds[0].planner is not None
-    _broken(scheds[0].planner, "rows_of_next_k")
+    scheds[0].rule = BrokenTables(scheds[0].rule, "rows_of_next_k")
     with pytest.raises(AssertionError, match="schedules differ"):
         replay_pair(scheds, 7, 200)
 
 
-def test_planner_takes_the_decoding_run() -> None:
-    """Not vacuous: with room for everyone, the run covers the running set."""
+def test_bulk_plan_takes_the_decoding_run() -> None:
+    """Not vacuous: with room for everyone, the bulk plan covers the running set."""
     scheds = _schedulers("ngram", 3, "fcfs", 400, True, 0, False, 256)
     assert replay_pair(scheds, 3, 80) > 20
 
