@@ -117,7 +117,7 @@ def run_config(method: str | None, num_reqs: int, repeats: int, num_steps: int,
     total, sched, update, repeat_medians = [], [], [], []
     for repeat in range(repeats):
         scheduler = make_scheduler(method, num_reqs, num_steps + 64)
-        runner = SimulatedRunner.for_scheduler(scheduler, acceptance=ACCEPTANCE,
+        runner = SimulatedRunner(scheduler, acceptance=ACCEPTANCE,
                                                seed=seed + repeat)
         add_requests(scheduler, num_reqs)
         warm_up(scheduler, runner, num_reqs)

@@ -118,7 +118,7 @@ def run_seed(spec: SpeculativeConfig, budget: int, max_num_seqs: int, rule_name:
     scheduler = Scheduler(SchedulerConfig(budget, max_num_seqs, MAX_MODEL_LEN),
                           CacheConfig(num_blocks=NUM_BLOCKS), spec,
                           rule=make_rule(rule_name, spec, max_num_seqs))
-    runner = SimulatedRunner(spec.method, acceptance=ACCEPTANCE, seed=seed)
+    runner = SimulatedRunner(scheduler, acceptance=ACCEPTANCE, seed=seed)
     log = StepLog(scheduler.rule.initial_budget(budget)[0])
     result = run_simulation(scheduler, runner, make_workload(workload), on_step=log.record)
     return log, result.steps, result.num_preemptions

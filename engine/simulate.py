@@ -146,7 +146,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     )
     # Strict: the runner holds the scheduler's limits and checks every step as the
     # model runner would (k rule, positions, KV slots, each pass against B).
-    runner = SimulatedRunner.for_scheduler(scheduler, acceptance=args.acceptance,
+    runner = SimulatedRunner(scheduler, acceptance=args.acceptance,
                                            seed=args.seed)
     workload = make_workload(WorkloadConfig(num_decoders=args.num_decoders,
                                             num_long=args.num_long, seed=args.seed,

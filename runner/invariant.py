@@ -47,12 +47,11 @@ def allowed_drafts(facts: StepFacts, n: np.ndarray, max_k: int,
 
 def check_step(method: SpecMethod | None, out: SchedulerOutput, req_ids: list[str],
                n: np.ndarray, k: np.ndarray, facts: StepFacts, max_k: int,
-               max_model_len: int, max_num_batched_tokens: int | None) -> StepRows:
+               max_model_len: int, max_num_batched_tokens: int) -> StepRows:
     """All of the runner's pre-write checks; the assembled rows to fill afterwards.
 
     `max_num_batched_tokens` is the runner's own B, the one its buffers were sized
-    by: a SchedulerOutput declaring a larger B is held to the runner's. None only for
-    a SimulatedRunner given no limits (it has no buffers), which takes the output's."""
+    by: a SchedulerOutput declaring a larger B is held to the runner's."""
     name = method.name if method else None
     check_draft_counts(name, req_ids, k, allowed_drafts(facts, n, max_k, max_model_len))
     step = plan_step_rows(method, n, k)
@@ -67,9 +66,8 @@ def check_step(method: SpecMethod | None, out: SchedulerOutput, req_ids: list[st
             shift = method.recipes[0].shift
             bounds.append(("step_*", np.where(k > 1, facts.num_computed + n + k - 1 - shift,
                                               -1)))
-    budget = out.max_num_batched_tokens if max_num_batched_tokens is None else \
-        max_num_batched_tokens
-    check_pass_rows(name, budget, step.counts, out.num_drafter_tokens, out.pass_rows)
+    check_pass_rows(name, max_num_batched_tokens, step.counts, out.num_drafter_tokens,
+                    out.pass_rows)
     for pass_name, last_pos in bounds:
         _check_positions(name, pass_name, req_ids, last_pos, facts, max_model_len)
     return step

@@ -6,10 +6,10 @@ runner would refuse is refused here too, without a model. Tokens come from a see
 generator: each draft is accepted with probability `acceptance`, and `eos_prob` ends
 a request early.
 
-Given `max_model_len`, `num_speculative_tokens` and `block_size` (see
-`for_scheduler`) it re-derives the k rule and bounds every row inside its request's
-KV slots as the model runner does; without them it checks the `max_tokens` cut, the
-rows and the budget only.
+It is built for one scheduler and holds that scheduler's limits (B, max_model_len, K,
+block size), as the model runner holds its own: it re-derives the k rule, bounds every
+row inside its request's KV slots and checks each pass against its own B, never
+against what a SchedulerOutput declares.
 """
 
 from __future__ import annotations
@@ -17,20 +17,16 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from runner.invariant import StepFacts, check_filled, check_step
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
-from spec_decode.methods import get_method
 from spec_decode.passes import PassRows, StepResult, fill_pass, sequential_positions
 
 if TYPE_CHECKING:
     from scheduler.scheduler import Scheduler
-
-UNBOUNDED = 1 << 62
-
 
 @dataclass
 class _ReqState:
@@ -54,36 +50,25 @@ class BuiltStep:
 class SimulatedRunner:
     """Executes SchedulerOutputs without a model; see the module docstring."""
 
-    def __init__(self, method: str | None, vocab_size: int = 1000, acceptance: float = 0.6,
+    def __init__(self, scheduler: Scheduler, vocab_size: int = 1000, acceptance: float = 0.6,
                  eos_token_id: int | None = None, eos_prob: float = 0.0, seed: int = 0,
-                 propose: Callable[[str, int], list[int]] | None = None,
-                 max_model_len: int | None = None, num_speculative_tokens: int | None = None,
-                 block_size: int | None = None, max_num_batched_tokens: int | None = None
-                 ) -> None:
-        self.method = get_method(method) if method is not None else None
+                 propose: Callable[[str, int], list[int]] | None = None) -> None:
+        """A runner for `scheduler`'s configs (read once: B, max_model_len, K and the
+        block size are the limits it checks every step against)."""
+        spec = scheduler.speculative_config
+        self.method = spec.spec_method if spec else None
         self.vocab_size = vocab_size
         self.acceptance = acceptance
         self.eos_token_id = eos_token_id
         self.eos_prob = eos_prob
         self.rng = random.Random(seed)
         self.propose = propose or self._random_drafts
-        self.max_model_len = max_model_len or UNBOUNDED
-        self.max_k = num_speculative_tokens or UNBOUNDED
-        self.block_size = block_size
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = scheduler.config.max_model_len
+        self.max_k = spec.num_speculative_tokens if spec else 0
+        self.block_size = scheduler.cache_config.block_size
+        self.max_num_batched_tokens = scheduler.config.max_num_batched_tokens
         self.reqs: dict[str, _ReqState] = {}
         self.last_step: BuiltStep | None = None
-
-    @classmethod
-    def for_scheduler(cls, scheduler: Scheduler, **kwargs: Any) -> SimulatedRunner:
-        """A runner holding the scheduler's limits, so it checks all the model runner
-        checks."""
-        spec = scheduler.speculative_config
-        return cls(spec.method if spec else None,
-                   max_model_len=scheduler.config.max_model_len,
-                   num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                   block_size=scheduler.cache_config.block_size,
-                   max_num_batched_tokens=scheduler.config.max_num_batched_tokens, **kwargs)
 
     def _random_drafts(self, rid: str, k: int) -> list[int]:
         return [self.rng.randrange(self.vocab_size) for _ in range(k)]
@@ -107,7 +92,7 @@ class SimulatedRunner:
         arr = np.array(columns, dtype=np.int64).reshape(len(req_ids), 5)
         spec = out.scheduled_spec_decode_tokens
         s = np.array([len(spec.get(rid, ())) for rid in req_ids], dtype=np.int64)
-        slots = arr[:, 4] * self.block_size if self.block_size else None
+        slots = arr[:, 4] * self.block_size
         return StepFacts(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], s, slots)
 
     def _sync(self, out: SchedulerOutput) -> None:

@@ -59,7 +59,6 @@ class SchedulerOutput:
     num_draft_tokens: dict[str, int]
     num_drafter_tokens: int
     pass_rows: dict[str, int]
-    max_num_batched_tokens: int
     adapted_draft_tokens: dict[str, int] = field(default_factory=dict)
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)

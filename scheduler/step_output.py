@@ -34,7 +34,6 @@ def build_output(record: StepRecord, req_ids: list[str], new_reqs: list[NewReque
         adapted_draft_tokens=dict(zip([req_ids[i] for i in adapted],
                                       rule_drafts[adapted].tolist())),
         pass_rows=pass_rows,
-        max_num_batched_tokens=record.max_num_batched_tokens,
         preempted_req_ids=preempted,
         finished_req_ids=finished,
     )

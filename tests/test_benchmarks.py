@@ -201,3 +201,14 @@ def test_greedy_equality_reports_where_outputs_diverge() -> None:
     assert report["equal"] == 1 and report["match"] == 0.3333
     assert report["divergences"] == [{"prompt": 1, "first_differing_token": 1},
                                      {"prompt": 2, "first_differing_token": 1}]
+
+
+def test_decision_digest_is_deterministic_and_sees_a_change(tmp_path: Path) -> None:
+    """Two runs of one seed agree (so equal digests across commits mean equal
+    decisions); another seed, another workload, another digest."""
+    from benchmarks import decision_digest
+
+    runs = [decision_digest.main(["--cases", "4", "--seed", str(seed), "--out",
+                                  str(tmp_path / f"d{i}.json")])
+            for i, seed in enumerate((1, 1, 2))]
+    assert runs[0]["digest"] == runs[1]["digest"] != runs[2]["digest"]

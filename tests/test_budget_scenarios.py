@@ -67,7 +67,7 @@ def test_layout_matches_design_table(method: str, n: int, k: int) -> None:
 def test_decode_step_charges_table_rows(method: str) -> None:
     """Two decoding requests with 4 drafts each: every pass gets exactly the table's rows."""
     sched = make_scheduler(method, k=4, budget=64, max_model_len=512)
-    runner = SimulatedRunner(method, acceptance=0.0, seed=0)
+    runner = SimulatedRunner(sched, acceptance=0.0, seed=0)
     for i in range(2):
         sched.add_request(make_request(f"r{i}", 8, max_tokens=100))
     run_step(sched, runner)  # prefill; both sample and propose 4 drafts
@@ -88,7 +88,7 @@ def test_vllm_overflow_case_dflash_k8_never_exceeds_budget() -> None:
     budget = 2048
     sched = make_scheduler("dflash", k=8, budget=budget, max_num_seqs=256, max_model_len=512,
                            block_size=16, num_blocks=256 * 8)
-    runner = SimulatedRunner("dflash", acceptance=0.7, seed=3)
+    runner = SimulatedRunner(sched, acceptance=0.7, seed=3)
     for i in range(256):
         sched.add_request(make_request(f"r{i}", 16, max_tokens=64))
     peak: dict[str, int] = {}
@@ -147,7 +147,7 @@ def test_52922_two_prefills_admitted_whole_under_dflash() -> None:
 @pytest.mark.parametrize("method", ["pard", "parallel", "draft_model", "dflash"])
 def test_partial_prefill_chunk_is_charged_no_drafting_rows(method: str) -> None:
     sched = make_scheduler(method, k=4, budget=32, max_model_len=256)
-    runner = SimulatedRunner(method, seed=0)
+    runner = SimulatedRunner(sched, seed=0)
     sched.add_request(make_request("p", 100, max_tokens=8))
     chunks = []
     while True:
@@ -169,7 +169,7 @@ def test_drafts_stop_at_max_model_len() -> None:
     """k = max_model_len - (num_tokens + s + 2): even if this step and the next accept
     every draft, the request ends with exactly max_model_len tokens, never more."""
     sched = make_scheduler("pard", k=4, budget=64, max_model_len=64)
-    runner = SimulatedRunner("pard", acceptance=1.0, seed=0)
+    runner = SimulatedRunner(sched, acceptance=1.0, seed=0)
     sched.add_request(make_request("r", 60, max_tokens=100))
     request = sched.requests["r"]
     out, _ = run_step(sched, runner)
@@ -218,7 +218,7 @@ def test_drafts_cut_by_remaining_max_tokens() -> None:
 def test_decode_that_does_not_fit_verifies_fewer_drafts() -> None:
     """eagle K=4, B=7: the first decode takes 5 rows, the second gets 2 (1 draft)."""
     sched = make_scheduler("eagle", k=4, budget=7, max_model_len=256)
-    runner = SimulatedRunner("eagle", acceptance=0.0, seed=0)
+    runner = SimulatedRunner(sched, acceptance=0.0, seed=0)
     sched.add_request(make_request("a", 3, max_tokens=50))
     sched.add_request(make_request("b", 3, max_tokens=50))
     run_step(sched, runner)  # both prefills: 6 rows
@@ -232,7 +232,7 @@ def test_query_pass_full_leaves_a_decode_waiting_not_overflowing() -> None:
     """dflash K=4, B=8: sampling costs 5 query rows, so only one request may sample per
     step. The other takes a chunk that stops short of sampling, or waits."""
     sched = make_scheduler("dflash", k=4, budget=8, max_model_len=256)
-    runner = SimulatedRunner("dflash", acceptance=0.0, seed=0)
+    runner = SimulatedRunner(sched, acceptance=0.0, seed=0)
     sched.add_request(make_request("a", 3, max_tokens=50))
     sched.add_request(make_request("b", 3, max_tokens=50))
     out, _ = run_step(sched, runner)
@@ -288,7 +288,7 @@ def test_preemption_refunds_charge_and_rows_still_match() -> None:
     was already scheduled this step; the declared rows drop by exactly its charge."""
     sched = make_scheduler("pard", k=2, budget=64, max_model_len=64, num_blocks=14,
                            policy="priority")
-    runner = SimulatedRunner("pard", acceptance=1.0, seed=0)
+    runner = SimulatedRunner(sched, acceptance=1.0, seed=0)
     for rid, prio in (("hi", 0), ("lo", 5)):
         req = make_request(rid, 4, max_tokens=40, ignore_eos=True)
         req.priority = prio
@@ -311,7 +311,7 @@ def test_no_extra_row_methods_schedule_like_spec_off(method: str) -> None:
     """With a proposer that finds nothing, the schedule is step-for-step that of spec off."""
     def schedule_trace(spec_method: str | None) -> list[dict[str, int]]:
         sched = make_scheduler(spec_method, k=4, budget=24, max_num_seqs=6, num_blocks=400)
-        runner = SimulatedRunner(spec_method, seed=5, eos_token_id=2, eos_prob=0.05,
+        runner = SimulatedRunner(sched, seed=5, eos_token_id=2, eos_prob=0.05,
                                  propose=lambda rid, k: [])
         for i in range(12):
             sched.add_request(make_request(f"r{i}", 5 + 7 * i, max_tokens=10 + i))
@@ -335,7 +335,7 @@ def test_runner_check_names_method_pass_and_counts() -> None:
 def test_runner_rejects_a_schedule_over_budget() -> None:
     """A SchedulerOutput claiming fewer drafter rows than it implies is caught."""
     sched = make_scheduler("pard", k=4, budget=32)
-    runner = SimulatedRunner("pard", seed=0)
+    runner = SimulatedRunner(sched, seed=0)
     sched.add_request(make_request("r", 10, max_tokens=20))
     out = sched.schedule()
     out.num_drafter_tokens -= 1
@@ -346,25 +346,24 @@ def test_runner_rejects_a_schedule_over_budget() -> None:
 def test_mixed_workload_drains_for_every_method() -> None:
     for method in (None, *METHODS):
         sched = make_scheduler(method, k=3, budget=48, max_num_seqs=8, num_blocks=60)
-        runner = SimulatedRunner(method, seed=1, eos_token_id=2, eos_prob=0.02)
+        runner = SimulatedRunner(sched, seed=1, eos_token_id=2, eos_prob=0.02)
         for i in range(20):
             sched.add_request(make_request(f"r{i}", 3 + 11 * i % 90, max_tokens=5 + i))
         drain(sched, runner)
         assert sched.kv.pool.num_free_blocks == 60
 
 
-def test_a_runner_holds_a_step_to_its_own_budget_not_the_outputs() -> None:
-    """A SchedulerOutput declaring a larger B than the runner was sized for is held
-    to the runner's B (the model runner's buffers have only that many rows)."""
-    sched = make_scheduler(None, budget=64)
-    sched.add_request(make_request("r", 48, max_tokens=4))
-    out = sched.schedule()
-    assert out.total_num_scheduled_tokens == 48 and out.max_num_batched_tokens == 64
-    SimulatedRunner(None).execute(out)  # no limits given: the output's B
-    sched2 = make_scheduler(None, budget=64)
-    sched2.add_request(make_request("r", 48, max_tokens=4))
+def test_a_runner_holds_a_step_to_its_own_budget() -> None:
+    """A step planned by a scheduler with a larger B than the runner was built for is
+    held to the runner's B (the model runner's buffers have only that many rows)."""
+    wide, narrow = make_scheduler(None, budget=64), make_scheduler(None, budget=32)
+    for sched in (wide, narrow):
+        sched.add_request(make_request("r", 48, max_tokens=4))
+    out = wide.schedule()
+    assert out.total_num_scheduled_tokens == 48
+    SimulatedRunner(wide).execute(out)
     with pytest.raises(BudgetInvariantError, match=r"max_num_batched_tokens=32"):
-        SimulatedRunner(None, max_num_batched_tokens=32).execute(sched2.schedule())
+        SimulatedRunner(narrow).execute(out)
 
 
 def test_the_vllm_comparison_knows_every_method_and_refuses_an_unknown_one() -> None:

@@ -288,7 +288,7 @@ def test_budget_at_the_minimum_serves_full_speculation(method: str, need: int) -
     with pytest.raises(ValueError, match=str(need)):
         _scheduler(method, 4, need - 1)
     scheduler = _scheduler(method, 4, need)
-    runner = SimulatedRunner(method, acceptance=0.0)
+    runner = SimulatedRunner(scheduler, acceptance=0.0)
     scheduler.add_request(make_request("a", 3, max_tokens=50, ignore_eos=True))
     run_step(scheduler, runner)  # prefill
     out, _ = run_step(scheduler, runner)  # decode: 1 + 4 verified, 4 new drafts
@@ -299,7 +299,7 @@ def test_budget_at_the_minimum_serves_full_speculation(method: str, need: int) -
 
 def test_no_speculation_needs_no_minimum_budget() -> None:
     scheduler = _scheduler(None, 0, 1)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     request = make_request("a", 3, max_tokens=2, ignore_eos=True)
     scheduler.add_request(request)
     for _ in range(5):

@@ -178,7 +178,7 @@ def replay_pair(scheds: list[Scheduler], seed: int, steps: int) -> int:
     """Drive both schedulers through one random workload; return steps that ran a
     bulk run. Fails at the first step where their outputs differ."""
     rng = random.Random(seed)
-    runners = [SimulatedRunner.for_scheduler(s, vocab_size=40, acceptance=0.6,
+    runners = [SimulatedRunner(s, vocab_size=40, acceptance=0.6,
                                              eos_token_id=2, eos_prob=0.02, seed=seed)
                for s in scheds]
     bulk_steps, next_id = 0, 0

@@ -50,7 +50,7 @@ def build(kind: str, method: str, rule: Callable[[Scheduler], ThrottleRule] | No
         sched = Scheduler(SchedulerConfig(B, 8, MAX_MODEL_LEN),
                           CacheConfig(block_size=BLOCK, num_blocks=32),
                           SpeculativeConfig.from_dict(spec))
-        runner = SimulatedRunner.for_scheduler(sched)
+        runner = SimulatedRunner(sched)
     if rule is not None:
         sched.rule = rule(sched)
     return sched, runner
@@ -250,7 +250,7 @@ def test_a_new_method_is_one_class() -> None:
         with pytest.raises(ValueError, match=r"'draft': 5, 'block': 5"):
             make_scheduler(EchoMethod.name, k=4, budget=4)
         sched = make_scheduler(EchoMethod.name, k=4, budget=32, max_model_len=64)
-        runner = SimulatedRunner.for_scheduler(sched, acceptance=0.7)
+        runner = SimulatedRunner(sched, acceptance=0.7)
         for i in range(6):
             sched.add_request(make_request(f"r{i}", 10 + 7 * i, max_tokens=30))
         out = sched.schedule()

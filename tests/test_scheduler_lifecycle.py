@@ -49,7 +49,7 @@ def test_stops_on_eos() -> None:
     scheduler = make_scheduler()
     request = make_request("a", 8, max_tokens=50)
     scheduler.add_request(request)
-    drain(scheduler, SimulatedRunner(None, eos_token_id=EOS, eos_prob=1.0))
+    drain(scheduler, SimulatedRunner(scheduler, eos_token_id=EOS, eos_prob=1.0))
     assert request.output_token_ids == [EOS]
     assert request.status == RequestStatus.FINISHED_STOPPED
     assert request.finish_reason == "stop"
@@ -61,7 +61,7 @@ def test_ignore_eos_runs_to_max_tokens() -> None:
     scheduler = make_scheduler()
     request = make_request("a", 8, max_tokens=7, ignore_eos=True)
     scheduler.add_request(request)
-    drain(scheduler, SimulatedRunner(None, eos_token_id=EOS, eos_prob=1.0))
+    drain(scheduler, SimulatedRunner(scheduler, eos_token_id=EOS, eos_prob=1.0))
     assert request.output_token_ids == [EOS] * 7
     assert request.finish_reason == "length"
     _assert_idle_and_clean(scheduler)
@@ -71,7 +71,7 @@ def test_no_eos_id_never_stops_on_token_2() -> None:
     scheduler = make_scheduler()
     request = Request("a", [5, 6, 7], SamplingParams(max_tokens=4), eos_token_id=None)
     scheduler.add_request(request)
-    drain(scheduler, SimulatedRunner(None, eos_token_id=EOS, eos_prob=1.0))
+    drain(scheduler, SimulatedRunner(scheduler, eos_token_id=EOS, eos_prob=1.0))
     assert len(request.output_token_ids) == 4
     assert request.finish_reason == "length"
 
@@ -80,7 +80,7 @@ def test_stops_on_stop_token_id() -> None:
     scheduler = make_scheduler()
     request = make_request("a", 8, max_tokens=50, stop_token_ids=(77,))
     scheduler.add_request(request)
-    drain(scheduler, SimulatedRunner(None, eos_token_id=77, eos_prob=1.0))
+    drain(scheduler, SimulatedRunner(scheduler, eos_token_id=77, eos_prob=1.0))
     assert request.output_token_ids == [77]
     assert request.stop_token_id == 77
     assert request.finish_reason == "stop"
@@ -91,7 +91,7 @@ def test_stop_token_ignored_before_min_tokens() -> None:
     scheduler = make_scheduler()
     request = make_request("a", 8, max_tokens=50, stop_token_ids=(77,), min_tokens=3)
     scheduler.add_request(request)
-    drain(scheduler, SimulatedRunner(None, eos_token_id=77, eos_prob=1.0))
+    drain(scheduler, SimulatedRunner(scheduler, eos_token_id=77, eos_prob=1.0))
     assert request.output_token_ids == [77, 77, 77]
     assert request.finish_reason == "stop"
 
@@ -100,7 +100,7 @@ def test_eos_inside_accepted_drafts_drops_the_rest() -> None:
     scheduler = make_scheduler("ngram", k=4)
     request = make_request("a", 8, max_tokens=50)
     scheduler.add_request(request)
-    runner = SimulatedRunner("ngram", acceptance=1.0, vocab_size=1000,
+    runner = SimulatedRunner(scheduler, acceptance=1.0, vocab_size=1000,
                              propose=lambda rid, k: [EOS] * k)
     drain(scheduler, runner)
     # Step 1 samples one token and proposes EOS drafts; step 2 accepts the first one.
@@ -117,7 +117,7 @@ def test_stops_at_exactly_max_tokens_with_all_drafts_accepted(method: str | None
     scheduler = make_scheduler(method, k=4)
     request = make_request("a", 6, max_tokens=max_tokens, ignore_eos=True)
     scheduler.add_request(request)
-    runner = SimulatedRunner(method, acceptance=1.0, seed=max_tokens)
+    runner = SimulatedRunner(scheduler, acceptance=1.0, seed=max_tokens)
     steps = 0
     while scheduler.has_unfinished_requests():
         run_step(scheduler, runner)
@@ -138,7 +138,7 @@ def test_never_exceeds_max_model_len(method: str | None) -> None:
     scheduler = make_scheduler(method, k=4, max_model_len=max_len)
     request = make_request("a", 25, max_tokens=100, ignore_eos=True)
     scheduler.add_request(request)
-    runner = SimulatedRunner(method, acceptance=1.0)
+    runner = SimulatedRunner(scheduler, acceptance=1.0)
     while scheduler.has_unfinished_requests():
         run_step(scheduler, runner)
         assert request.num_tokens <= max_len
@@ -154,7 +154,7 @@ def test_prompt_one_short_of_max_model_len_gets_one_token() -> None:
     scheduler = make_scheduler("pard", k=4, max_model_len=32)
     request = make_request("a", 31, max_tokens=10, ignore_eos=True)
     scheduler.add_request(request)
-    out, _ = run_step(scheduler, SimulatedRunner("pard", acceptance=1.0))
+    out, _ = run_step(scheduler, SimulatedRunner(scheduler, acceptance=1.0))
     assert out.num_draft_tokens.get("a", 0) == 0  # no room for any draft
     assert len(request.output_token_ids) == 1
     assert request.finish_reason == "length"
@@ -162,7 +162,7 @@ def test_prompt_one_short_of_max_model_len_gets_one_token() -> None:
 
 def test_finished_ids_reported_once_in_next_output() -> None:
     scheduler = make_scheduler()
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     scheduler.add_request(make_request("short", 4, max_tokens=1, ignore_eos=True))
     scheduler.add_request(make_request("long", 4, max_tokens=5, ignore_eos=True))
     first, _ = run_step(scheduler, runner)
@@ -178,7 +178,7 @@ def test_finished_ids_reported_once_in_next_output() -> None:
 
 def test_abort_waiting_request() -> None:
     scheduler = make_scheduler(max_num_seqs=1)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     running = make_request("run", 8, max_tokens=4, ignore_eos=True)
     waiting = make_request("wait", 8, max_tokens=4, ignore_eos=True)
     scheduler.add_request(running)
@@ -200,7 +200,7 @@ def test_abort_waiting_request() -> None:
 @pytest.mark.parametrize("method", [None, "pard", "dflash"])
 def test_abort_running_request_mid_decode(method: str | None) -> None:
     scheduler = make_scheduler(method, k=3)
-    runner = SimulatedRunner(method, acceptance=0.5)
+    runner = SimulatedRunner(scheduler, acceptance=0.5)
     victim = make_request("victim", 30, max_tokens=40, ignore_eos=True)
     other = make_request("other", 30, max_tokens=10, ignore_eos=True, first_token=300)
     scheduler.add_request(victim)
@@ -224,7 +224,7 @@ def test_abort_running_request_mid_decode(method: str | None) -> None:
 @pytest.mark.parametrize("method", [None, "eagle", "pard"])
 def test_abort_between_schedule_and_update(method: str | None) -> None:
     scheduler = make_scheduler(method, k=2)
-    runner = SimulatedRunner(method, acceptance=0.5)
+    runner = SimulatedRunner(scheduler, acceptance=0.5)
     victim = make_request("victim", 10, max_tokens=30, ignore_eos=True)
     other = make_request("other", 10, max_tokens=6, ignore_eos=True, first_token=200)
     scheduler.add_request(victim)
@@ -247,7 +247,7 @@ def test_abort_between_schedule_and_update(method: str | None) -> None:
 
 def test_abort_every_request_right_after_admission() -> None:
     scheduler = make_scheduler()
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     for i in range(5):
         scheduler.add_request(make_request(f"r{i}", 20, first_token=10 + 40 * i))
     out = scheduler.schedule()
@@ -263,7 +263,7 @@ def test_abort_every_request_right_after_admission() -> None:
 
 def test_abort_preempted_request_frees_everything() -> None:
     scheduler = make_scheduler(block_size=4, num_blocks=8)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     for i in range(3):
         scheduler.add_request(make_request(f"r{i}", 3, max_tokens=12, ignore_eos=True,
                                            first_token=10 + 50 * i))
@@ -284,7 +284,7 @@ def test_abort_preempted_request_frees_everything() -> None:
 
 def test_abort_unknown_or_finished_id_is_a_no_op() -> None:
     scheduler = make_scheduler()
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     request = make_request("a", 4, max_tokens=2, ignore_eos=True)
     scheduler.add_request(request)
     scheduler.abort_request("nope")
@@ -300,7 +300,7 @@ def test_abort_unknown_or_finished_id_is_a_no_op() -> None:
 
 def test_request_id_reusable_after_abort() -> None:
     scheduler = make_scheduler()
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     scheduler.add_request(make_request("a", 8))
     run_step(scheduler, runner)
     scheduler.abort_request("a")
@@ -316,7 +316,7 @@ def test_request_id_reusable_after_abort() -> None:
 
 def test_invalid_requests_refused_and_others_keep_running() -> None:
     scheduler = make_scheduler(max_model_len=64, block_size=4, num_blocks=8)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     good = make_request("good", 10, max_tokens=5, ignore_eos=True)
     scheduler.add_request(good)
     run_step(scheduler, runner)
@@ -351,7 +351,7 @@ def test_request_that_fits_the_pool_exactly_is_accepted_and_finishes() -> None:
     scheduler = make_scheduler(block_size=4, num_blocks=8)
     request = make_request("fit", 16, max_tokens=15, ignore_eos=True)
     scheduler.add_request(request)
-    drain(scheduler, SimulatedRunner(None))
+    drain(scheduler, SimulatedRunner(scheduler))
     assert len(request.output_token_ids) == 15
     _assert_idle_and_clean(scheduler)
 
@@ -371,7 +371,7 @@ def test_accepted_request_never_livelocks_on_a_tiny_pool(method: str) -> None:
             continue
         scheduler.add_request(request)
         admitted.append(request.request_id)
-        drain(scheduler, SimulatedRunner(method, acceptance=1.0), max_steps=500)
+        drain(scheduler, SimulatedRunner(scheduler, acceptance=1.0), max_steps=500)
         assert len(request.output_token_ids) == max_tokens
         _assert_idle_and_clean(scheduler)
     assert admitted == ["r20", "r4"]
@@ -384,7 +384,7 @@ def test_accepted_request_never_livelocks_on_a_tiny_pool(method: str) -> None:
 def test_chunked_prefill_takes_ceil_chunks_and_only_last_samples(prompt_len: int,
                                                                  budget: int) -> None:
     scheduler = make_scheduler(budget=budget)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     request = make_request("a", prompt_len, max_tokens=2, ignore_eos=True)
     scheduler.add_request(request)
     chunks, sampled = [], []
@@ -403,7 +403,7 @@ def test_chunked_prefill_takes_ceil_chunks_and_only_last_samples(prompt_len: int
 
 def test_no_chunked_prefill_schedules_whole_prompts_only() -> None:
     scheduler = make_scheduler(budget=256, max_model_len=256, enable_chunked_prefill=False)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     a = make_request("a", 150, max_tokens=3, ignore_eos=True)
     b = make_request("b", 150, max_tokens=3, ignore_eos=True, first_token=300)
     scheduler.add_request(a)
@@ -418,7 +418,7 @@ def test_no_chunked_prefill_schedules_whole_prompts_only() -> None:
 
 def test_chunked_prefill_fills_the_rest_of_the_budget() -> None:
     scheduler = make_scheduler(budget=256, max_model_len=256)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     scheduler.add_request(make_request("a", 150, max_tokens=3, ignore_eos=True))
     scheduler.add_request(make_request("b", 150, max_tokens=3, ignore_eos=True,
                                        first_token=300))
@@ -429,7 +429,7 @@ def test_chunked_prefill_fills_the_rest_of_the_budget() -> None:
 @pytest.mark.parametrize(("prompt_len", "threshold"), [(35, 10), (40, 10), (9, 10)])
 def test_long_prefill_threshold_caps_chunk_size(prompt_len: int, threshold: int) -> None:
     scheduler = make_scheduler(budget=64, long_prefill_token_threshold=threshold)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     request = make_request("a", prompt_len, max_tokens=2, ignore_eos=True)
     scheduler.add_request(request)
     chunks = []
@@ -446,7 +446,7 @@ def test_long_prefill_threshold_without_chunking_still_makes_progress() -> None:
                                long_prefill_token_threshold=8)
     request = make_request("a", 20, max_tokens=2, ignore_eos=True)
     scheduler.add_request(request)  # accepted, so it must run (or be refused up front)
-    drain(scheduler, SimulatedRunner(None), max_steps=50)
+    drain(scheduler, SimulatedRunner(scheduler), max_steps=50)
     assert len(request.output_token_ids) == 2
 
 
@@ -455,7 +455,7 @@ def test_long_prefill_threshold_without_chunking_still_makes_progress() -> None:
 
 def test_max_num_seqs_caps_running() -> None:
     scheduler = make_scheduler(max_num_seqs=3)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     for i in range(8):
         scheduler.add_request(make_request(f"r{i}", 4, max_tokens=3, ignore_eos=True,
                                            first_token=10 + 20 * i))
@@ -467,7 +467,7 @@ def test_max_num_seqs_caps_running() -> None:
 
 def test_fcfs_admits_in_arrival_order() -> None:
     scheduler = make_scheduler(max_num_seqs=2)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     names = ["d", "a", "c", "b", "e"]
     for name in names:
         scheduler.add_request(make_request(name, 4, max_tokens=2, ignore_eos=True))
@@ -479,7 +479,7 @@ def test_fcfs_admits_in_arrival_order() -> None:
 
 def test_fcfs_ignores_priority() -> None:
     scheduler = make_scheduler(max_num_seqs=1)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     for i, prio in enumerate([5, 0, 3]):
         scheduler.add_request(_req(f"p{prio}", 4, max_tokens=1, priority=prio,
                                    arrival=float(i)))
@@ -492,7 +492,7 @@ def test_fcfs_ignores_priority() -> None:
 def test_fcfs_no_skipping_ahead_of_a_blocked_head() -> None:
     # The head needs more KV than is free; a small request behind it must wait too.
     scheduler = make_scheduler(block_size=4, num_blocks=10, max_num_seqs=8)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     scheduler.add_request(make_request("big0", 20, max_tokens=15, ignore_eos=True))
     run_step(scheduler, runner)
     scheduler.add_request(make_request("big1", 20, max_tokens=15, ignore_eos=True,
@@ -506,7 +506,7 @@ def test_fcfs_no_skipping_ahead_of_a_blocked_head() -> None:
 
 def test_priority_admits_lower_value_first_ties_by_arrival() -> None:
     scheduler = make_scheduler(max_num_seqs=1, policy="priority")
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     spec = [("late-1", 1, 3.0), ("p9", 9, 0.0), ("early-1", 1, 1.0), ("p0", 0, 2.0),
             ("p5", 5, 4.0)]
     for rid, prio, arrival in spec:
@@ -520,7 +520,7 @@ def test_priority_admits_lower_value_first_ties_by_arrival() -> None:
 @pytest.mark.parametrize("policy", ["priority", "fcfs"])
 def test_preemption_victim_under_kv_pressure(policy: str) -> None:
     scheduler = make_scheduler(block_size=4, num_blocks=8, policy=policy)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     # Admitted in two steps so the lowest priority is not the newest running request.
     scheduler.add_request(_req("low", 3, max_tokens=12, priority=5, arrival=0.0))
     run_step(scheduler, runner)
@@ -545,7 +545,7 @@ def test_preemption_victim_under_kv_pressure(policy: str) -> None:
 @pytest.mark.parametrize("method", [None, "ngram", "eagle", "pard", "dflash"])
 def test_preempted_requests_resume_with_outputs_intact(method: str | None) -> None:
     scheduler = make_scheduler(method, k=2, block_size=4, num_blocks=14)
-    runner = SimulatedRunner(method, acceptance=0.6, seed=3)
+    runner = SimulatedRunner(scheduler, acceptance=0.6, seed=3)
     requests = [make_request(f"r{i}", 10, max_tokens=20, ignore_eos=True,
                              first_token=10 + 60 * i) for i in range(4)]
     for request in requests:
@@ -576,7 +576,7 @@ def test_preempted_requests_resume_with_outputs_intact(method: str | None) -> No
 
 def test_resumed_request_recomputes_prompt_and_outputs() -> None:
     scheduler = make_scheduler(block_size=4, num_blocks=8, enable_prefix_caching=False)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     for i in range(3):
         scheduler.add_request(make_request(f"r{i}", 3, max_tokens=12, ignore_eos=True,
                                            first_token=10 + 50 * i))
@@ -599,7 +599,7 @@ def test_resumed_request_recomputes_prompt_and_outputs() -> None:
 @pytest.mark.parametrize("method", ["ngram", "eagle", "pard", "dflash", "draft_model"])
 def test_rejected_drafts_roll_back_num_computed_tokens(method: str) -> None:
     scheduler = make_scheduler(method, k=3)
-    runner = SimulatedRunner(method, acceptance=0.0)
+    runner = SimulatedRunner(scheduler, acceptance=0.0)
     request = make_request("a", 9, max_tokens=30, ignore_eos=True)
     scheduler.add_request(request)
     run_step(scheduler, runner)  # prefill: proposes drafts
@@ -619,7 +619,7 @@ def test_rejected_drafts_roll_back_num_computed_tokens(method: str) -> None:
 
 def test_accepted_drafts_keep_their_kv() -> None:
     scheduler = make_scheduler("ngram", k=3)
-    runner = SimulatedRunner("ngram", acceptance=1.0)
+    runner = SimulatedRunner(scheduler, acceptance=1.0)
     request = make_request("a", 9, max_tokens=30, ignore_eos=True)
     scheduler.add_request(request)
     run_step(scheduler, runner)
@@ -632,7 +632,7 @@ def test_accepted_drafts_keep_their_kv() -> None:
 
 def test_runner_proposing_too_many_drafts_raises() -> None:
     scheduler = make_scheduler("ngram", k=2)
-    runner = SimulatedRunner("ngram")
+    runner = SimulatedRunner(scheduler)
     scheduler.add_request(make_request("a", 9, max_tokens=30, ignore_eos=True))
     out = scheduler.schedule()
     assert out.num_draft_tokens["a"] == 2
@@ -644,7 +644,7 @@ def test_runner_proposing_too_many_drafts_raises() -> None:
 
 def test_runner_proposing_drafts_when_none_charged_raises() -> None:
     scheduler = make_scheduler(None)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     scheduler.add_request(make_request("a", 9, max_tokens=30, ignore_eos=True))
     out = scheduler.schedule()
     result = runner.execute(out)
@@ -655,7 +655,7 @@ def test_runner_proposing_drafts_when_none_charged_raises() -> None:
 
 def test_runner_sampling_more_than_verified_plus_one_raises() -> None:
     scheduler = make_scheduler(None)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     scheduler.add_request(make_request("a", 9, max_tokens=30, ignore_eos=True))
     out = scheduler.schedule()
     result = runner.execute(out)
@@ -669,7 +669,7 @@ def test_runner_sampling_more_than_verified_plus_one_raises() -> None:
 
 def test_identical_prompt_hits_prefix_cache_at_admission() -> None:
     scheduler = make_scheduler(block_size=4)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     first = make_request("first", 18, max_tokens=3, ignore_eos=True)
     scheduler.add_request(first)
     drain(scheduler, runner)
@@ -688,7 +688,7 @@ def test_identical_prompt_hits_prefix_cache_at_admission() -> None:
 
 def test_prefix_shared_while_both_running() -> None:
     scheduler = make_scheduler(block_size=4)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     scheduler.add_request(make_request("a", 12, max_tokens=10, ignore_eos=True))
     run_step(scheduler, runner)
     scheduler.add_request(make_request("b", 12, max_tokens=10, ignore_eos=True))
@@ -704,7 +704,7 @@ def test_prefix_shared_while_both_running() -> None:
 
 def test_no_prefix_hits_when_caching_disabled() -> None:
     scheduler = make_scheduler(block_size=4, enable_prefix_caching=False)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     scheduler.add_request(make_request("a", 18, max_tokens=3, ignore_eos=True))
     drain(scheduler, runner)
     scheduler.add_request(make_request("b", 18, max_tokens=3, ignore_eos=True))
@@ -715,7 +715,7 @@ def test_no_prefix_hits_when_caching_disabled() -> None:
 
 def test_prefix_cached_even_when_request_finishes_on_first_token() -> None:
     scheduler = make_scheduler(block_size=4)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     scheduler.add_request(make_request("first", 18, max_tokens=1, ignore_eos=True))
     drain(scheduler, runner)
     scheduler.add_request(make_request("second", 18, max_tokens=1, ignore_eos=True))
@@ -726,7 +726,7 @@ def test_prefix_cached_even_when_request_finishes_on_first_token() -> None:
 def test_fcfs_preempted_request_resumes_before_newer_arrivals() -> None:
     # Two requests of 15 tokens need 8 blocks of 4; the pool has 7.
     scheduler = make_scheduler(block_size=4, num_blocks=7, max_num_seqs=2)
-    runner = SimulatedRunner(None)
+    runner = SimulatedRunner(scheduler)
     for i, rid in enumerate(["a", "b", "c"]):
         scheduler.add_request(make_request(rid, 3, max_tokens=12, ignore_eos=True,
                                            first_token=10 + 50 * i))
@@ -747,7 +747,7 @@ def test_admission_charges_no_more_kv_than_the_request_can_hold(method: str | No
     needing 3 blocks under ngram K=4."""
     sched = make_scheduler(method, k=4, budget=32, max_num_seqs=4, max_model_len=64,
                            block_size=4, num_blocks=2, enable_prefix_caching=False)
-    runner = SimulatedRunner(method, acceptance=1.0, seed=0)
+    runner = SimulatedRunner(sched, acceptance=1.0, seed=0)
     sched.add_request(make_request("r", 4, max_tokens=3, ignore_eos=True))
     drain(sched, runner)
     with pytest.raises(ValueError, match="may need 3 KV blocks"):
@@ -762,7 +762,7 @@ def test_priority_preemption_offers_the_refund_to_requests_already_planned() -> 
     sched = make_scheduler("pard", k=2, budget=7, max_num_seqs=4, max_model_len=16,
                            block_size=2, num_blocks=7, policy="priority",
                            enable_prefix_caching=False)
-    runner = SimulatedRunner("pard", acceptance=0.0, seed=0)
+    runner = SimulatedRunner(sched, acceptance=0.0, seed=0)
     sched.add_request(Request("r0", list(range(10, 16)), SamplingParams(max_tokens=4),
                               priority=2))
     run_step(sched, runner)
