@@ -210,7 +210,7 @@ def make_trace(cfg: TraceConfig) -> Trace:
 
 
 @dataclass
-class StepRecord:
+class TimedStep:
     """One engine step as a side measured it (microseconds; rows as counted)."""
 
     schedule_us: float
@@ -226,7 +226,7 @@ class Side(Protocol):
 
     def add(self, request: TraceRequest) -> None: ...
 
-    def step(self) -> StepRecord | None:
+    def step(self) -> TimedStep | None:
         """Run one engine step; None when nothing was scheduled."""
 
     def num_unfinished(self) -> int: ...
@@ -252,7 +252,7 @@ class OutputLog:
 
 
 def replay(trace: Trace, side: Side, max_steps: int = 100_000,
-           collector: bool = True) -> list[StepRecord]:
+           collector: bool = True) -> list[TimedStep]:
     """Feed arrivals by step and step until every request finished.
 
     The trace clock advances one per step that scheduled work, so both sides see an
@@ -268,9 +268,9 @@ def replay(trace: Trace, side: Side, max_steps: int = 100_000,
         gc.enable()
 
 
-def _replay(trace: Trace, side: Side, max_steps: int) -> list[StepRecord]:
+def _replay(trace: Trace, side: Side, max_steps: int) -> list[TimedStep]:
     pending = sorted(trace.requests, key=lambda r: r.arrival_step)
-    records: list[StepRecord] = []
+    records: list[TimedStep] = []
     clock, next_req = 0, 0
     while next_req < len(pending) or side.num_unfinished():
         while next_req < len(pending) and pending[next_req].arrival_step <= clock:
@@ -312,7 +312,7 @@ def curve(values: list[int], points: int = 100) -> list[int]:
     return [values[round(i * (len(values) - 1) / (points - 1))] for i in range(points)]
 
 
-def summarize(trace: Trace, records: list[StepRecord], log: OutputLog) -> dict:
+def summarize(trace: Trace, records: list[TimedStep], log: OutputLog) -> dict:
     """What the side-by-side reports for one side on one trace.
 
     Steady steps are those with at least 90 % of N running: the µs per step "at N

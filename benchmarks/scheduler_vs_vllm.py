@@ -41,7 +41,7 @@ from benchmarks import sched_trace  # noqa: E402
 from benchmarks.common import bench_parser, out_path, write_report  # noqa: E402
 from benchmarks.sched_trace import (  # noqa: E402
     OutputLog,
-    StepRecord,
+    TimedStep,
     Trace,
     TraceConfig,
     TraceRequest,
@@ -131,7 +131,7 @@ class OursSide:
                 drafts[rid] = behaviour.drafts(request.num_output_tokens + len(tokens), k)
         return ModelRunnerOutput(req_ids, sampled, drafts)
 
-    def step(self) -> StepRecord | None:
+    def step(self) -> TimedStep | None:
         out, schedule_us = timed(self.sched.schedule)
         if out.total_num_scheduled_tokens == 0:
             return None
@@ -140,7 +140,7 @@ class OursSide:
         outputs, update_us = timed(self.sched.update_from_output, out, result)
         for output in outputs:
             self.log.add(output.request_id, output.new_token_ids)
-        return StepRecord(schedule_us, update_us, 0.0, out.total_num_scheduled_tokens,
+        return TimedStep(schedule_us, update_us, 0.0, out.total_num_scheduled_tokens,
                           out.num_drafter_tokens, running)
 
 

@@ -58,7 +58,7 @@ def calls_per_request(running: int, method: str, requests_per_running: int) -> d
     per_request: list[float] = []
     step = side.step
 
-    def counted_step() -> sched_trace.StepRecord | None:
+    def counted_step() -> sched_trace.TimedStep | None:
         sched = side.sched
         original_schedule, original_update = sched.schedule, sched.update_from_output
         counts = [0, 0]

@@ -30,7 +30,7 @@ class ChunkPlan:
     rows: tuple[int, ...]  # per pass: target first, then the drafter's passes
     lookahead: int
     # k the rule allowed; above num_draft_tokens only when the adaptive policy cut k to fit.
-    rule_drafts: int = 0
+    rule_draft_tokens: int = 0
 
 
 Counts = int | np.ndarray  # one request's counter, or one per request
@@ -138,7 +138,7 @@ def plan_chunk(rule: ThrottleRule, remaining: list[int], req: RequestView,
         for k in range(k_max, -1, -1) if rule.adaptive else (k_max,):
             plan = rule.plan(n, s, k)
             if _fits(plan, remaining):
-                return plan if k == k_max else replace(plan, rule_drafts=k_max)
+                return plan if k == k_max else replace(plan, rule_draft_tokens=k_max)
     if not allow_partial:
         return None
     # A chunk that does not sample: rules that charge a fixed extra per request

@@ -17,6 +17,11 @@ class SpecDecodingStats:
 
     A "draft" is one request's verification in one step with s >= 1 drafts; its
     acceptance length is accepted + 1 (the bonus or recovered token).
+
+    The names are vLLM's `spec_decode` metrics, kept on purpose so that dashboards
+    built for vLLM read ours; so here `num_draft_tokens` counts drafts *verified*,
+    while `SchedulerOutput.num_draft_tokens` is the k each request *proposes* this
+    step (and `num_drafter_tokens` the rows of the widest drafter pass).
     """
 
     num_drafts: int = 0

@@ -18,9 +18,9 @@ def build_output(record: StepRecord, req_ids: list[str], new_reqs: list[NewReque
     """`req_ids`: the ids of the record's live rows, in order."""
     live = record.live_rows()
     rows = record.rows[live].sum(axis=0).tolist()
-    num_drafts, rule_drafts = record.num_drafts[live], record.rule_drafts[live]
-    drafting = np.flatnonzero(num_drafts).tolist()
-    adapted = np.flatnonzero(rule_drafts > num_drafts).tolist()
+    k, rule_k = record.num_draft_tokens[live], record.rule_draft_tokens[live]
+    drafting = np.flatnonzero(k).tolist()
+    adapted = np.flatnonzero(rule_k > k).tolist()
     pass_rows = dict(zip(record.rule.pass_names, rows))
     return SchedulerOutput(
         scheduled_new_reqs=new_reqs,
@@ -29,10 +29,10 @@ def build_output(record: StepRecord, req_ids: list[str], new_reqs: list[NewReque
         total_num_scheduled_tokens=pass_rows["target"],
         scheduled_spec_decode_tokens=spec_tokens,
         num_draft_tokens=dict(zip([req_ids[i] for i in drafting],
-                                  num_drafts[drafting].tolist())),
+                                  k[drafting].tolist())),
         num_drafter_tokens=max(rows[1:], default=0),
         adapted_draft_tokens=dict(zip([req_ids[i] for i in adapted],
-                                      rule_drafts[adapted].tolist())),
+                                      rule_k[adapted].tolist())),
         pass_rows=pass_rows,
         preempted_req_ids=preempted,
         finished_req_ids=finished,

@@ -29,8 +29,8 @@ class StepRecord:
         self.num_computed = np.zeros(ints, dtype=np.int64)  # c before the step
         self.num_tokens = np.zeros(ints, dtype=np.int64)  # n
         self.num_spec = np.zeros(ints, dtype=np.int64)  # s: drafts verified
-        self.num_drafts = np.zeros(ints, dtype=np.int64)  # k: drafts proposed
-        self.rule_drafts = np.zeros(ints, dtype=np.int64)  # k the rule allowed (>= k)
+        self.num_draft_tokens = np.zeros(ints, dtype=np.int64)  # k: drafts proposed
+        self.rule_draft_tokens = np.zeros(ints, dtype=np.int64)  # k the rule allowed (>= k)
         self.rows = np.zeros((capacity, rule.num_passes), dtype=np.int64)
         self.lookahead = np.zeros(ints, dtype=np.int64)
         self.held_blocks = np.zeros(ints, dtype=np.int64)
@@ -61,8 +61,8 @@ class StepRecord:
         self.num_computed[start:end] = num_computed
         self.num_tokens[start:end] = n
         self.num_spec[start:end] = s
-        self.num_drafts[start:end] = k
-        self.rule_drafts[start:end] = k
+        self.num_draft_tokens[start:end] = k
+        self.rule_draft_tokens[start:end] = k
         self.rows[start:end] = rows
         self.lookahead[start:end] = lookahead
         self.held_blocks[start:end] = held
@@ -90,8 +90,8 @@ class StepRecord:
         """(Re)charge row i with `plan`: its place in the step's order is kept."""
         self.num_tokens[i] = plan.num_tokens
         self.num_spec[i] = plan.num_spec
-        self.num_drafts[i] = plan.num_draft_tokens
-        self.rule_drafts[i] = plan.rule_drafts
+        self.num_draft_tokens[i] = plan.num_draft_tokens
+        self.rule_draft_tokens[i] = plan.rule_draft_tokens
         self.rows[i] = plan.rows
         self.lookahead[i] = plan.lookahead
         self.new_blocks[i] = new_blocks
@@ -119,8 +119,8 @@ class StepRecord:
     def plan(self, i: int) -> ChunkPlan:
         """Row i as the `ChunkPlan` that `plan_chunk` returns for it."""
         return ChunkPlan(int(self.num_tokens[i]), int(self.num_spec[i]),
-                         int(self.num_drafts[i]), tuple(self.rows[i].tolist()),
-                         int(self.lookahead[i]), int(self.rule_drafts[i]))
+                         int(self.num_draft_tokens[i]), tuple(self.rows[i].tolist()),
+                         int(self.lookahead[i]), int(self.rule_draft_tokens[i]))
 
     def live_rows(self) -> np.ndarray | slice:
         """The rows still charged, in order: a slice when nothing was refunded."""
