@@ -14,13 +14,14 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from runner.attention import AttentionMetadata, get_attention_backend
 from runner.buffers import StepBuffers
-from runner.config import RunnerConfig, kv_bytes_per_block
+from runner.config import DTYPES, RunnerConfig, kv_bytes_per_block
 from runner.input_prep import PreparedStep, prepare_inputs, write_spec_tokens
 from runner.invariant import StepFacts, check_step
 from runner.model_loader import load_model, pack_for_inference
@@ -55,13 +56,30 @@ def _logits_rows(step: PreparedStep) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(([0], np.cumsum(counts)[:-1])), counts
 
 
+def _adopt_model_dtype(config: RunnerConfig, model: LlamaForCausalLM) -> RunnerConfig:
+    """A model handed in already has a dtype, and the KV cache and drafter must share
+    it: "auto" takes the model's (on a bf16-capable CPU "auto" alone would pick
+    bfloat16 for the cache of a float32 model); any other dtype must match it."""
+    dtype = model.lm_head.weight.dtype
+    name = next(key for key, value in DTYPES.items() if value == dtype)
+    if config.dtype == "auto":
+        return replace(config, dtype=name)
+    if config.dtype != name:
+        raise ValueError(f"RunnerConfig.dtype={config.dtype!r}, but the loaded model's "
+                         f"weights are {name}: pass dtype={name!r} or 'auto'")
+    return config
+
+
 class ModelRunner:
     """Owns the model, the KV cache, the persistent buffers and per-request rows."""
 
     def __init__(self, config: RunnerConfig, scheduler_config: SchedulerConfig,
                  block_size: int, speculative_config: SpeculativeConfig | None = None,
                  model: LlamaForCausalLM | None = None) -> None:
-        """`model`: an already loaded model to share (tests, draft == target)."""
+        """`model`: an already loaded model to share (tests, draft == target); its
+        weights' dtype is the run's (see `_adopt_model_dtype`)."""
+        if model is not None:
+            config = _adopt_model_dtype(config, model)
         self.config = config
         self.scheduler_config = scheduler_config
         self.speculative_config = speculative_config

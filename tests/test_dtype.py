@@ -67,3 +67,24 @@ def test_int8_quantization_config() -> None:
         RunnerConfig(dtype="bfloat16", quantization="int8")
     with pytest.raises(ValueError, match="runs on the CPU only"):
         RunnerConfig(device="cuda", quantization="int8")
+
+
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_a_loaded_model_sets_the_dtype_under_auto(weights: torch.dtype) -> None:
+    """A model handed in keeps its dtype for the KV cache too: on a bf16-capable CPU
+    "auto" alone would give a float32 model a bfloat16 cache (its first KV write then
+    fails); an explicit dtype that disagrees with the weights is refused by name."""
+    from types import SimpleNamespace
+
+    from runner.model_runner import _adopt_model_dtype
+
+    model = SimpleNamespace(lm_head=SimpleNamespace(weight=torch.zeros(1, dtype=weights)))
+    name = str(weights).removeprefix("torch.")
+    adopted = _adopt_model_dtype(RunnerConfig(dtype="auto"), model)  # type: ignore[arg-type]
+    assert adopted.torch_dtype == weights
+    assert _adopt_model_dtype(RunnerConfig(dtype=name), model) \
+        == RunnerConfig(dtype=name)  # type: ignore[arg-type]
+    other = "float16"
+    with pytest.raises(ValueError, match=rf"RunnerConfig.dtype='{other}', but the loaded "
+                                         rf"model's weights are {name}"):
+        _adopt_model_dtype(RunnerConfig(dtype=other), model)  # type: ignore[arg-type]
