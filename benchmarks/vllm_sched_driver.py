@@ -76,7 +76,7 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 Trace, TraceRequest = sched_trace.Trace, sched_trace.TraceRequest
-StepRecord, OutputLog, timed = sched_trace.StepRecord, sched_trace.OutputLog, sched_trace.timed
+TimedStep, OutputLog, timed = sched_trace.TimedStep, sched_trace.OutputLog, sched_trace.timed
 
 # A LlamaForCausalLM config and nothing else: ModelConfig inspects it, loads no weights.
 MODEL_CONFIG = {
@@ -185,7 +185,7 @@ class VllmSide:
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index=index,
                                  sampled_token_ids=sampled), drafts
 
-    def step(self) -> StepRecord | None:
+    def step(self) -> TimedStep | None:
         out, schedule_us = timed(self.sched.schedule)
         if out.total_num_scheduled_tokens == 0:
             return None
@@ -199,7 +199,7 @@ class VllmSide:
         for client_outputs in engine_outputs.values():
             for output in client_outputs.outputs:
                 self.log.add(output.request_id, output.new_token_ids)
-        return StepRecord(schedule_us, update_us, draft_us, out.total_num_scheduled_tokens,
+        return TimedStep(schedule_us, update_us, draft_us, out.total_num_scheduled_tokens,
                           drafter_rows(self.method, out.num_scheduled_tokens, self.k), running)
 
 

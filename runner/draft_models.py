@@ -4,6 +4,7 @@ head (eagle, mtp, parallel, dflash) is `runner/eagle3.py`."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -27,6 +28,15 @@ class DraftLM(nn.Module):
     @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """Empty: a draft LM reads tokens only, no target features."""
+        return ()
+
+    def write_context_hidden(self, out: torch.Tensor, features: torch.Tensor,
+                             hidden_src: np.ndarray) -> None:
+        """Nothing to write: `forward` ignores its hidden input."""
 
     def forward(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata,

@@ -1,4 +1,5 @@
-"""Model-based drafting inside the runner's budgeted buffers.
+"""Model-based drafting inside the runner's budgeted buffers: the `ModelDrafter` behind
+the "head" and "lm" drafter kinds (runner/drafters.py), and the networks they run.
 
 After verification, the drafter fills the method's passes (spec_decode/passes.py),
 whose rows the runner assembled and checked before the step, into the runner's
@@ -11,6 +12,7 @@ needs no draft probabilities and stays lossless.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -23,9 +25,9 @@ from runner.eagle3 import Eagle3Config, Eagle3Head, load_eagle3, trained_head_di
 from runner.invariant import check_filled
 from runner.model_loader import load_model
 from runner.model_prep import DEFAULT_MODEL_NAME, resolve_model
-from runner.models.llama import LlamaForCausalLM
+from runner.models.llama import LlamaConfig, LlamaForCausalLM
 from runner.request_states import RequestStates
-from spec_decode import SpeculativeConfig
+from spec_decode import SpeculativeConfig, get_method
 from spec_decode.passes import (
     MASK_ROW,
     DraftPass,
@@ -40,12 +42,12 @@ RANDOM_HEAD_VOCAB = 8192
 
 
 def find_trained_head(target_path: Path | None, method: str) -> Path | None:
-    """The head `specbudget train-drafter` wrote for this target and method (mtp may
-    use the eagle head: the same layout; parallel and dflash heads are trained for
-    their own mask-row layouts), or None."""
+    """The head `specbudget train-drafter` wrote for this target and method, else for
+    the method whose head it shares (`SpecMethod.trained_heads`: mtp serves with
+    eagle's), or None."""
     if target_path is None:
         return None
-    for name in (method, "eagle") if method == "mtp" else (method,):
+    for name in get_method(method).trained_heads:
         found = trained_head_dir(target_path, name)
         if (found / "config.json").is_file() and (found / "model.safetensors").is_file():
             return found
@@ -67,8 +69,8 @@ def missing_head_message(method: str, target_path: Path | None) -> str:
             f"\"{RANDOM_HEAD}\" (its drafts are rejected: for layout tests and benchmarks)")
 
 
-def _make_head(spec: SpeculativeConfig, target: LlamaForCausalLM,
-               target_path: Path | None) -> Eagle3Head:
+def make_head(spec: SpeculativeConfig, target: LlamaForCausalLM,
+              target_path: Path | None) -> Eagle3Head:
     """An EAGLE-3 head: from the checkpoint dir `spec.model`; without one, the trained
     default head; a random one only when asked for by name."""
     model = spec.model
@@ -90,11 +92,8 @@ def _make_head(spec: SpeculativeConfig, target: LlamaForCausalLM,
     return head
 
 
-def _make_net(spec: SpeculativeConfig, target: LlamaForCausalLM,
-              target_path: Path | None) -> Eagle3Head | DraftLM:
-    """The network the method's `drafter` names: a head on the target, or a draft LM."""
-    if spec.spec_method.drafter == "head":
-        return _make_head(spec, target, target_path)
+def make_draft_lm(spec: SpeculativeConfig, target: LlamaForCausalLM) -> DraftLM:
+    """The draft LM `spec.model` names; by default the target drafts for itself."""
     if spec.model in (None, DEFAULT_MODEL_NAME):
         return DraftLM(target)  # the default model drafts for itself: shared weights
     weight = target.lm_head.weight
@@ -108,15 +107,40 @@ def _make_net(spec: SpeculativeConfig, target: LlamaForCausalLM,
     return DraftLM(draft)
 
 
-class ModelDrafter:
-    """Runs a model-based method's drafter passes and returns each request's drafts."""
+class DraftNet(Protocol):
+    """The network a `ModelDrafter` runs (`Eagle3Head`, `DraftLM`)."""
 
-    def __init__(self, spec: SpeculativeConfig, target: LlamaForCausalLM,
+    @property
+    def config(self) -> LlamaConfig: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """Target layers whose inputs the net reads; empty: it reads no target features."""
+        ...
+
+    def write_context_hidden(self, out: torch.Tensor, features: torch.Tensor,
+                             hidden_src: np.ndarray) -> None:
+        """Fill `out` [R, H], a pass's hidden inputs, from the target's `features`."""
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def __call__(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[KVCache], meta: AttentionMetadata,
+                 attn: AttentionBackend) -> torch.Tensor: ...
+
+
+class ModelDrafter:
+    """Runs a model-based method's drafter passes and returns each request's drafts
+    (a `Drafter`, runner/drafters.py)."""
+
+    def __init__(self, spec: SpeculativeConfig, net: DraftNet, target: LlamaForCausalLM,
                  buffers: StepBuffers, states: RequestStates, block_size: int,
-                 attn: AttentionBackend, max_num_batched_tokens: int,
-                 target_path: Path | None = None) -> None:
+                 attn: AttentionBackend, max_num_batched_tokens: int) -> None:
         self.method = spec.spec_method
-        self.net = _make_net(spec, target, target_path)
+        self.net = net
         self.buffers, self.states, self.block_size, self.attn = buffers, states, block_size, attn
         cfg = self.net.config
         weight = target.lm_head.weight
@@ -141,21 +165,34 @@ class ModelDrafter:
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
         """Target layers whose inputs the head reads (none for a draft LM)."""
-        return self.net.head_config.aux_layer_ids if isinstance(self.net, Eagle3Head) else ()
+        return self.net.aux_layer_ids
 
     @property
     def buffer_bytes(self) -> int:
         return self.hidden.numel() * self.hidden.element_size()
 
-    def propose(self, res: StepResult, target_features: torch.Tensor,
-                planned: StepRows) -> dict[int, list[int]]:
-        """Drafts per scheduled-request index, for every request with k >= 1.
+    def add_request(self, req_id: str, token_ids: list[int]) -> None:
+        """Nothing to keep: a request's KV lives in the runner's block tables."""
+
+    def remove_request(self, req_id: str, finished: bool) -> None:
+        """Nothing to drop (see `add_request`)."""
+
+    def propose(self, res: StepResult, target_features: torch.Tensor, req_ids: list[str],
+                planned: StepRows) -> dict[str, list[int]]:
+        """Next drafts for every request that samples with k >= 1.
 
         `target_features`: the target's aux features per target-pass row (a head's
         input; unused by a draft LM). `planned`: the rows of every pass, assembled and
         checked before the step wrote anything; now filled with what verification
         left, and checked again so that no request reads outside its own rows.
         """
+        by_index = self._draft(res, target_features, planned)
+        return {req_ids[i]: drafts[:int(res.num_draft_tokens[i])]
+                for i, drafts in by_index.items()}
+
+    def _draft(self, res: StepResult, target_features: torch.Tensor,
+               planned: StepRows) -> dict[int, list[int]]:
+        """Drafts per scheduled-request index, for every request with k >= 1."""
         drafts: dict[int, list[int]] = {int(i): [] for i in np.flatnonzero(res.num_draft_tokens)}
         last_hidden: dict[int, torch.Tensor] = {}
         passes = [fill_pass(rows, res, self.states.token_ids, self.mask_id)
@@ -205,12 +242,8 @@ class ModelDrafter:
         rows = draft_pass.num_rows
         if direct_hidden:
             self.hidden[:rows] = hidden_in
-        elif isinstance(self.net, Eagle3Head):
-            # Context rows: fc(target features at their position); mask rows: learned.
-            src = torch.as_tensor(draft_pass.hidden_src, device=self.hidden.device)
-            masked = src == MASK_ROW
-            self.hidden[:rows] = self.net.project(hidden_in[src.clamp(min=0)])
-            self.hidden[:rows][masked] = self.net.mask_hidden.detach()
+        else:
+            self.net.write_context_hidden(self.hidden[:rows], hidden_in, draft_pass.hidden_src)
         ids = self.buffers.input_ids.copy_to_device(rows)
         pos = self.buffers.positions.copy_to_device(rows)
         return self.net(ids, self.hidden[:rows], pos, self.kv_caches, meta, self.attn)

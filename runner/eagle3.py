@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -39,6 +40,7 @@ from runner.models.llama import (
     rope_inv_freq,
     vocab_projection,
 )
+from spec_decode.passes import MASK_ROW
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -163,6 +165,20 @@ class Eagle3Head(nn.Module):
     @property
     def num_layers(self) -> int:
         return 1
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """Target layers whose inputs the head reads."""
+        return self.head_config.aux_layer_ids
+
+    def write_context_hidden(self, out: torch.Tensor, features: torch.Tensor,
+                             hidden_src: np.ndarray) -> None:
+        """out [R, H]: each pass row's hidden input. A row reading the target, at
+        hidden_src >= 0, gets fc(features [*, 3H] of that target-pass row); a mask row
+        (MASK_ROW) the learned `mask_hidden`."""
+        src = torch.as_tensor(hidden_src, device=out.device)
+        out[:] = self.project(features[src.clamp(min=0)])
+        out[src == MASK_ROW] = self.mask_hidden.detach()
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         table = self.embed_tokens or self._target[0].model.embed_tokens

@@ -1,24 +1,23 @@
 """The runner's speculative-decoding side: verify this step's drafts, propose the next.
 
-Model-free methods (ngram, suffix) propose by token lookup and build no pass; model
-methods run their drafter passes through `ModelDrafter` in the runner's buffers.
+Every method drafts through the one `Drafter` its kind names (runner/drafters.py):
+token lookup (ngram, suffix) builds no pass; model methods run their drafter passes
+in the runner's buffers.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from runner.attention import AttentionBackend
 from runner.buffers import StepBuffers
-from runner.drafter import ModelDrafter
+from runner.drafters import DraftContext, Drafter, make_drafter
 from runner.models.llama import LlamaForCausalLM
 from runner.request_states import RequestStates
 from spec_decode import SpeculativeConfig
 from spec_decode.passes import StepResult, StepRows
-from spec_decode.proposer import TokenProposer
 from spec_decode.rejection_sampler import RejectionSampler
 from spec_decode.sampling import SamplingMetadata
 
@@ -44,39 +43,30 @@ class SpecDecoder:
         """`target_path`: the target's checkpoint dir, under whose name trained heads
         are cached."""
         self.config = spec
-        self.states = states
-        self.proposer: TokenProposer | None = None
-        self.drafter: ModelDrafter | None = None
-        if spec.spec_method.drafter is None:
-            self.proposer = spec.spec_method.make_proposer(spec)
-        else:
-            self.drafter = ModelDrafter(spec, target, buffers, states, block_size, attn,
-                                        max_num_batched_tokens, target_path)
+        self.drafter: Drafter = make_drafter(spec, DraftContext(
+            target, buffers, states, block_size, attn, max_num_batched_tokens, target_path))
         self.rejection = make_rejection_sampler(target.lm_head.weight.device)
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
         """Target layers whose inputs the drafter reads (an EAGLE-3 head's three)."""
-        return self.drafter.aux_layer_ids if self.drafter else ()
+        return self.drafter.aux_layer_ids
 
     def kv_bytes_per_block(self) -> int:
-        return self.drafter.kv_bytes_per_block() if self.drafter else 0
+        return self.drafter.kv_bytes_per_block()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        if self.drafter:
-            self.drafter.initialize_kv_cache(num_blocks)
+        self.drafter.initialize_kv_cache(num_blocks)
 
     @property
     def buffer_bytes(self) -> int:
-        return self.drafter.buffer_bytes if self.drafter else 0
+        return self.drafter.buffer_bytes
 
     def add_request(self, req_id: str, token_ids: list[int]) -> None:
-        if self.proposer:
-            self.proposer.add_request(req_id, np.asarray(token_ids, dtype=np.int64))
+        self.drafter.add_request(req_id, token_ids)
 
     def remove_request(self, req_id: str, finished: bool) -> None:
-        if self.proposer:
-            self.proposer.remove_request(req_id, finished)
+        self.drafter.remove_request(req_id, finished)
 
     def verify(self, sampling_ids: list[str], spec: dict[str, list[int]],
                logits: torch.Tensor, meta: SamplingMetadata) -> list[list[int]]:
@@ -93,13 +83,4 @@ class SpecDecoder:
     def propose(self, res: StepResult, target_features: torch.Tensor, req_ids: list[str],
                 planned: StepRows) -> dict[str, list[int]]:
         """Next drafts for every request that samples with k >= 1."""
-        drafting = np.flatnonzero(res.num_draft_tokens)
-        if self.proposer is not None:
-            states = self.states
-            return {req_ids[i]: self.proposer.propose(
-                        req_ids[i], states.token_ids[res.rows[i], :states.num_tokens[res.rows[i]]],
-                        int(res.num_draft_tokens[i]))[:int(res.num_draft_tokens[i])]
-                    for i in drafting.tolist()}
-        assert self.drafter is not None
-        by_index = self.drafter.propose(res, target_features, planned)
-        return {req_ids[i]: by_index[i][:int(res.num_draft_tokens[i])] for i in drafting.tolist()}
+        return self.drafter.propose(res, target_features, req_ids, planned)

@@ -12,7 +12,7 @@ import pytest
 from benchmarks import scheduler_vs_vllm
 from benchmarks.sched_trace import (
     OutputLog,
-    StepRecord,
+    TimedStep,
     Trace,
     TraceConfig,
     make_trace,
@@ -164,8 +164,8 @@ def test_scaling_slope_reads_the_curve() -> None:
 def test_draft_update_figure_covers_the_same_steady_steps() -> None:
     """vLLM's draft update is added over the steps `us_per_step` covers, not all."""
     trace = make_trace(TraceConfig(10, num_requests=10))
-    records = [StepRecord(100.0, 50.0, 10.0, 1, 0, 10) for _ in range(3)]
-    records += [StepRecord(1.0, 1.0, 0.0, 1, 0, 1) for _ in range(5)]  # burst tail
+    records = [TimedStep(100.0, 50.0, 10.0, 1, 0, 10) for _ in range(3)]
+    records += [TimedStep(1.0, 1.0, 0.0, 1, 0, 1) for _ in range(5)]  # burst tail
     log = OutputLog()
     log.add("r", [1])
     summary = summarize(trace, records, log)

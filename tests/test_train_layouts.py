@@ -18,9 +18,10 @@ import torch
 from engine.llm import LLM
 from runner.drafter import ModelDrafter
 from scheduler import SamplingParams
+from spec_decode.methods import TrainLayout
 from tests.server_helpers import default_model
 from training.features import target_features
-from training.layouts import LAYOUTS, TrainLayout, greedy_run, step_targets
+from training.layouts import greedy_run, step_targets, train_layout
 from training.train import IGNORE, unroll
 
 pytestmark = pytest.mark.model  # loads the real default model
@@ -40,11 +41,11 @@ def test_step_targets_follow_each_layout() -> None:
     run = torch.tensor([[1, 2, 3, 0, 1, 2]])  # the chain breaks at position 3
     # parallel step 1 (the first mask row): row r predicts labels[r + 1]; its anchor
     # r - 1 must exist and the drafted position r must have been greedy.
-    got = step_targets(LAYOUTS["parallel"], labels, run, 5, 1, IGNORE)
+    got = step_targets(train_layout("parallel"), labels, run, 5, 1, IGNORE)
     assert got.tolist() == [[IGNORE, 12, 13, IGNORE, 15]]
     # dflash step 3 (the second mask row): row r predicts labels[r - 1], anchored at r - 3,
     # with the one mask position before it (r - 2) greedy.
-    got = step_targets(LAYOUTS["dflash"], labels, run, 6, 3, IGNORE)
+    got = step_targets(train_layout("dflash"), labels, run, 6, 3, IGNORE)
     assert got.tolist() == [[IGNORE, IGNORE, IGNORE, 12, 13, IGNORE]]
 
 
@@ -59,7 +60,8 @@ def _serve_and_record(method: str, prompt: str, monkeypatch: pytest.MonkeyPatch
     hiddens: list[torch.Tensor] = []
     propose = ModelDrafter.propose
 
-    def recording(self: ModelDrafter, res: Any, *args: Any) -> dict[int, list[int]]:
+    def recording(self: ModelDrafter, res: Any, features: Any, req_ids: list[str],
+                  planned: Any) -> dict[str, list[int]]:
         greedy = self.net.greedy_tokens
 
         def record(hidden: torch.Tensor) -> torch.Tensor:
@@ -68,10 +70,11 @@ def _serve_and_record(method: str, prompt: str, monkeypatch: pytest.MonkeyPatch
 
         self.net.greedy_tokens = record  # type: ignore[method-assign]
         try:
-            drafts = propose(self, res, *args)
+            drafts = propose(self, res, features, req_ids, planned)
         finally:
             del self.net.greedy_tokens
-        for i, draft in drafts.items():
+        for rid, draft in drafts.items():
+            i = req_ids.index(rid)
             log.append((int(res.computed[i] + res.valid[i]), list(draft), hiddens[:]))
         hiddens.clear()
         return drafts
@@ -119,10 +122,10 @@ def _compare(seq: list[int], log: list[Proposal], outs: list[torch.Tensor],
 def test_training_rows_reproduce_served_drafts(method: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     head, seq, log = _serve_and_record(method, "def fibonacci(n):", monkeypatch)
-    layout = LAYOUTS[method]
+    layout = train_layout(method)
     equal, compared = _compare(seq, log, _training_outputs(head, seq, layout), layout)
     assert compared >= 10 and equal == compared, (equal, compared)
     # The check bites: read with another method's layout, the same rows disagree.
-    crossed = LAYOUTS["dflash" if method != "dflash" else "parallel"]
+    crossed = train_layout("dflash" if method != "dflash" else "parallel")
     equal, compared = _compare(seq, log, _training_outputs(head, seq, crossed), crossed)
     assert compared >= 10 and equal == 0, (equal, compared)

@@ -5,7 +5,7 @@ at position r and belongs to the drafting chain anchored at a = r - j, whose con
 (step 0's keys up to a) the drafter's KV cache holds when serving, and whose later
 rows are on the diagonal (step i's key at row r - (j - i)). Only the inputs of each
 step and the row each loss reads differ by method, exactly as in the passes
-spec_decode/methods/*.py lay out:
+spec_decode/methods/*.py lay out (each head method's `train_layout`, a `TrainLayout`):
 
   method      context row p        later steps (inputs)                      loss on
   eagle, mtp  hidden(p), tok p + 1 k - 1 x feedback: own output at p - 1,    every step
@@ -23,38 +23,21 @@ only be right about the greedy chain.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from spec_decode.methods import TrainLayout, get_method
+from training.options import trainable_methods
 
 MASK_TOKEN_ID = 0  # the drafter's default `mask_token_id` (runner/drafter.py)
 
 
-@dataclass(frozen=True)
-class TrainLayout:
-    name: str
-    token_shift: int  # a context row at p carries the token at p + token_shift
-    later: str  # kind of the steps after the context step: "feedback" or "mask"
-    bonus: bool  # a bonus-token step (mask_hidden, its own token) follows the context
-    label_offset: int  # a row at r predicts labels[r + label_offset]
-
-    def steps(self, depth: int) -> list[str]:
-        """Every step's kind for `depth` drafts (K)."""
-        if self.bonus:
-            return ["context", "bonus", *[self.later] * depth]
-        return ["context", *[self.later] * (depth - 1)]
-
-    @property
-    def first_loss_step(self) -> int:
-        return 2 if self.bonus else 0
-
-
-LAYOUTS = {
-    "eagle": TrainLayout("eagle", 1, "feedback", False, 1),
-    "mtp": TrainLayout("mtp", 1, "feedback", False, 1),
-    "parallel": TrainLayout("parallel", 1, "mask", False, 1),
-    "dflash": TrainLayout("dflash", 0, "mask", True, -1),
-}
+def train_layout(method: str) -> TrainLayout:
+    """The layout `method`'s head trains in: its class's `train_layout`."""
+    layout = get_method(method).train_layout
+    if layout is None:
+        raise ValueError(f"speculative method {method!r} has no head to train (no "
+                         f"train_layout); choose one of {', '.join(trainable_methods())}")
+    return layout
 
 
 def greedy_run(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from spec_decode.methods import get_method, method_names
+
 # Drafts per chain a head is trained for: more than this is never served (the budget
 # rule and the head's accuracy both make longer chains useless).
 MAX_TRAIN_DEPTH = 16
@@ -26,9 +28,14 @@ def at_least(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def trainable_methods() -> tuple[str, ...]:
+    """The registered methods with a head to train (a `train_layout`): `--method`'s
+    choices, read when the parser is built."""
+    return tuple(name for name in method_names() if get_method(name).train_layout is not None)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--method", default="eagle", choices=("eagle", "mtp", "parallel",
-                                                              "dflash"))
+    parser.add_argument("--method", default="eagle", choices=trainable_methods())
     parser.add_argument("--model", default=None, help="target (default: the default model)")
     parser.add_argument("--num-speculative-tokens", type=at_least(1, MAX_TRAIN_DEPTH), default=4,
                         help="K the head is trained for: drafts per chain in training")

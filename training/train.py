@@ -20,11 +20,12 @@ import torch.nn.functional as F
 
 from runner.eagle3 import Eagle3Head
 from runner.models.llama import LlamaForCausalLM, apply_rope
-from training.layouts import LAYOUTS, MASK_TOKEN_ID, TrainLayout, step_targets
+from spec_decode.methods import TrainLayout
+from training.layouts import MASK_TOKEN_ID, step_targets, train_layout
 
 IGNORE = -100  # no label: padding, prompt text, a row outside its chain
 MISSING = -1  # the target's token lies outside the draft vocabulary: no loss, a miss
-EAGLE = LAYOUTS["eagle"]
+EAGLE = train_layout("eagle")
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ def evaluate(head: Eagle3Head, data: Batch, depth: int, method: str = "eagle",
     losses, hits, rows = [], [0] * depth, [0] * depth
     for start in range(0, len(data.tokens), batch_size):
         index = torch.arange(start, min(start + batch_size, len(data.tokens)))
-        loss, accs = unrolled_loss(head, select(data, index), depth, LAYOUTS[method])
+        loss, accs = unrolled_loss(head, select(data, index), depth, train_layout(method))
         losses.append(float(loss.detach()))
         for j, (hit, num) in enumerate(accs):
             hits[j] += hit
@@ -244,7 +245,7 @@ def train_head(head: Eagle3Head, data: Batch, config: TrainConfig,
         for group in opt.param_groups:
             group["lr"] = lr_at(update, config.updates, config.lr)
         loss, accs = unrolled_loss(head, select(data, index), config.depth,
-                                   LAYOUTS[config.method])
+                                   train_layout(config.method))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

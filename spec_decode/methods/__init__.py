@@ -2,7 +2,8 @@
 
 Adding a method is adding one module here that defines a `SpecMethod` subclass under
 `@register`: every module of this package is imported below, so the scheduler (cost
-table), the runners (pass assembly) and the CLI (choices) all see it.
+table), the runners (pass assembly, the drafter its kind names), training (the head's
+layout) and the CLI (choices) all see it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from spec_decode.methods.base import PassRecipe, SpecMethod
+from spec_decode.methods.base import PassRecipe, SpecMethod, TrainLayout
 
 _REGISTRY: dict[str, SpecMethod] = {}
 M = TypeVar("M", bound=type[SpecMethod])
@@ -53,4 +54,5 @@ def method_names() -> tuple[str, ...]:
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"):
     importlib.import_module(f"{__name__}.{_module}")
 
-__all__ = ["PassRecipe", "SpecMethod", "get_method", "method_names", "register", "registered"]
+__all__ = ["PassRecipe", "SpecMethod", "TrainLayout", "get_method", "method_names", "register",
+           "registered"]

@@ -12,6 +12,11 @@ The runner checks one against the other every step (`runner/invariant.py`), so a
 mistake in either is a `BudgetInvariantError` before any buffer write, never an
 out-of-bounds read. Keep them separate: deriving one from the other would make that
 check compare a number with itself.
+
+The class answers the rest too, so the engine keeps no per-method list elsewhere: the
+drafter kind the runner builds (`drafter`, through the factory table in
+runner/drafters.py), how its head trains (`train_layout`, training/layouts.py) and
+whose trained head it may serve with (`shares_head_with`).
 """
 
 from __future__ import annotations
@@ -45,13 +50,41 @@ class PassRecipe:
     read_skip: int = 0  # rows past the bonus token's row where reading starts
 
 
+@dataclass(frozen=True)
+class TrainLayout:
+    """How a head method's serving passes unroll into training steps (training/layouts.py
+    explains each field against the passes; the training maths is there, in torch)."""
+
+    token_shift: int  # a context row at p carries the token at p + token_shift
+    later: str  # kind of the steps after the context step: "feedback" or "mask"
+    bonus: bool  # a bonus-token step (mask_hidden, its own token) follows the context
+    label_offset: int  # a row at r predicts labels[r + label_offset]
+
+    def steps(self, depth: int) -> list[str]:
+        """Every step's kind for `depth` drafts (K)."""
+        if self.bonus:
+            return ["context", "bonus", *[self.later] * depth]
+        return ["context", *[self.later] * (depth - 1)]
+
+    @property
+    def first_loss_step(self) -> int:
+        return 2 if self.bonus else 0
+
+
 class SpecMethod:
     """Base class; one subclass per method, registered by name (methods/__init__.py)."""
 
     name: ClassVar[str]
-    # Which network the runner builds: None (token lookup), "head" (a target-conditioned
-    # head) or "lm" (an independent draft LM).
-    drafter: ClassVar[str | None] = None
+    # The drafter kind the runner builds through its factory table (runner/drafters.py):
+    # "lookup" (a token proposer, `make_proposer`), "head" (a target-conditioned head)
+    # or "lm" (an independent draft LM). A kind is a string, not an import: spec_decode
+    # sits below the runner.
+    drafter: ClassVar[str] = "lookup"
+    # How `specbudget train-drafter` unrolls this method's head; None: not trainable.
+    train_layout: ClassVar[TrainLayout | None] = None
+    # A method whose trained head this one serves with when none was trained for it
+    # (the same serving layout), looked for after its own.
+    shares_head_with: ClassVar[str | None] = None
     recipes: ClassVar[tuple[PassRecipe, ...]] = ()
     # After the first pass, k - 1 one-row steps per drafting request feed each new
     # draft back. Never charged: one row never exceeds the n >= 1 of the first pass.
@@ -67,6 +100,12 @@ class SpecMethod:
     @property
     def context_passes(self) -> tuple[bool, ...]:
         return tuple(recipe.context for recipe in self.recipes)
+
+    @property
+    def trained_heads(self) -> tuple[str, ...]:
+        """The methods whose trained head this one may serve with, in lookup order."""
+        shared = (self.shares_head_with,) if self.shares_head_with else ()
+        return (self.name, *shared)
 
     # ---- the cost table (what the scheduler charges) -----------------------------
 
@@ -86,7 +125,7 @@ class SpecMethod:
     # ---- the proposer --------------------------------------------------------------
 
     def make_proposer(self, config: MethodSettings) -> TokenProposer:
-        """The token-lookup proposer (ngram, suffix); model methods draft in the runner
-        through the network named by `drafter`."""
-        raise TypeError(f"method {self.name!r} drafts with a {self.drafter} network in the "
+        """The token-lookup proposer (ngram, suffix) of a "lookup" drafter; model methods
+        draft in the runner through the network their `drafter` kind names."""
+        raise TypeError(f"method {self.name!r} drafts with a {self.drafter!r} drafter in the "
                         "runner, not with a token proposer")

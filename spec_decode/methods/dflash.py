@@ -9,7 +9,7 @@ bonus token and k mask rows, which reads all k drafts at once.
 from __future__ import annotations
 
 from spec_decode.methods import register
-from spec_decode.methods.base import PassRecipe, SpecMethod
+from spec_decode.methods.base import PassRecipe, SpecMethod, TrainLayout
 
 
 @register
@@ -20,6 +20,8 @@ class DflashMethod(SpecMethod):
     recipes = (PassRecipe("context", conditioned=True),
                PassRecipe("query", context=False, bonus=True, masks=0, reads="all",
                           read_skip=1))
+    # The query block's rows predict the token at their own position.
+    train_layout = TrainLayout(token_shift=0, later="mask", bonus=True, label_offset=-1)
 
     def extra_rows(self, k: int) -> tuple[int, ...]:
         return (0, k + 1 if k > 0 else 0)

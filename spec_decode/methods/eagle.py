@@ -10,7 +10,7 @@ at p + 1, so the first pass has exactly the target's n rows.
 from __future__ import annotations
 
 from spec_decode.methods import register
-from spec_decode.methods.base import PassRecipe, SpecMethod
+from spec_decode.methods.base import PassRecipe, SpecMethod, TrainLayout
 
 
 @register
@@ -20,6 +20,8 @@ class EagleMethod(SpecMethod):
     drafter = "head"
     recipes = (PassRecipe("draft", shift=1, conditioned=True, reads="one"),)
     sequential = True
+    # Training feeds each step's own output back, as the k - 1 one-row steps do.
+    train_layout = TrainLayout(token_shift=1, later="feedback", bonus=False, label_offset=1)
 
     def extra_rows(self, k: int) -> tuple[int, ...]:
         return (0,)

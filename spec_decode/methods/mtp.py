@@ -1,4 +1,5 @@
-"""mtp: multi-token-prediction layers drafting like eagle (same passes and cost)."""
+"""mtp: multi-token-prediction layers drafting like eagle (same passes, cost and training
+layout), so it serves with eagle's trained head when none was trained for mtp."""
 
 from __future__ import annotations
 
@@ -9,3 +10,4 @@ from spec_decode.methods.eagle import EagleMethod
 @register
 class MtpMethod(EagleMethod):
     name = "mtp"
+    shares_head_with = "eagle"

@@ -8,7 +8,7 @@ pass.
 from __future__ import annotations
 
 from spec_decode.methods import register
-from spec_decode.methods.base import PassRecipe, SpecMethod
+from spec_decode.methods.base import PassRecipe, SpecMethod, TrainLayout
 
 
 @register
@@ -17,6 +17,7 @@ class ParallelMethod(SpecMethod):
     option_names = ("seed", "mask_token_id")
     drafter = "head"
     recipes = (PassRecipe("draft", masks=-1, shift=1, conditioned=True, reads="all"),)
+    train_layout = TrainLayout(token_shift=1, later="mask", bonus=False, label_offset=1)
 
     def extra_rows(self, k: int) -> tuple[int, ...]:
         return (max(k - 1, 0),)
