@@ -94,7 +94,7 @@ class Scheduler:
         sequence but the last (whose token is sampled, never computed). Drafts and the
         drafter's lookahead (at most k + 1 slots past the chunk) stay inside it: the k
         rule leaves room for k + 2 more tokens within both limits. So a method that
-        drafts holds no more than speculation off (tests/test_state_machine.py checks
+        drafts holds no more than speculation off (tests/scheduler/test_state_machine.py checks
         every request's blocks against it)."""
         return min(self.config.max_model_len, num_prompt + max_tokens) - 1
 

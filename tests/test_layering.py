@@ -9,6 +9,8 @@ submodule `pkg.name` when there is one, else `pkg` itself.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -146,3 +148,28 @@ def test_the_checks_catch_hidden_cycles_and_upward_imports(tmp_path: Path) -> No
     assert cycles(toy) == [["low.a", "low.b", "low.c"]]
     assert layer_violations(toy, ("low", "high")) == ["low.c -> high.d"]
     assert layer_violations(toy, ("high", "low")) == ["high.e -> low.a"]
+
+
+# ---- what importing a layer loads (run in a fresh interpreter) ----------------------
+
+
+def test_scheduler_and_spec_config_load_no_torch() -> None:
+    code = ("import sys, scheduler, spec_decode, runner; "
+            "from scheduler import Scheduler, SchedulerConfig, CacheConfig, Request, "
+            "SamplingParams, SchedulerOutput, ModelRunnerOutput; "
+            "from spec_decode import SpeculativeConfig; from runner import BudgetInvariantError; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_spec_decode_never_imports_the_runner() -> None:
+    """Layering: spec_decode sits below runner (the rejection sampler shares its
+    sampling maths through spec_decode.sampling, not by importing runner.sampler)."""
+    code = ("import sys, spec_decode.rejection_sampler, spec_decode.sampling, "
+            "spec_decode.ngram, spec_decode.suffix; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('runner', 'engine')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"

@@ -8,7 +8,7 @@ longest chunk would cost more than the loop.
 The padded path is shaped so that a query row's output does not depend on what else
 shares the pass (speculative decoding's greedy output must equal plain decoding's, and
 a verification pass holds more rows than a decode). Measured with this machine's BLAS
-(`tests/test_attention.py` checks it on every run), a row's result is bitwise the same
+(`tests/runner/test_attention.py` checks it on every run), a row's result is bitwise the same
 whatever the number of query rows, requests and key padding, provided that:
 
 - every matmul has at least `MIN_GEMM_ROWS` rows (fewer take a matrix-vector kernel

@@ -18,8 +18,7 @@ from spec_decode.rejection_sampler import (
     draw_random,
 )
 from spec_decode.sampling import SamplingMetadata, exponential_race
-from tests.sampling_helpers import sampling_metadata
-from tests.test_sampler import chi2_critical, chi2_statistic
+from tests.sampling_helpers import chi2_critical, chi2_statistic, sampling_metadata
 
 VOCAB = 8
 NEG_INF = float("-inf")

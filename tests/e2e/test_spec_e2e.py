@@ -103,7 +103,7 @@ def test_greedy_lossless_int8(model_int8: LlamaForCausalLM, method: str,
                               concurrency: int) -> None:
     """int8 weights: speculation on equals speculation off in int8, token for token
     (every method beside other requests; one-row decodes against verification alone
-    for a lookup and a head method; tests/test_forward_invariance.py checks the
+    for a lookup and a head method; tests/runner/test_forward_invariance.py checks the
     int8 forward bitwise)."""
     key = (concurrency, "int8")
     if key not in _baseline:

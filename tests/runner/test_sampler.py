@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from statistics import NormalDist
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ import torch
 from runner.sampler import Sampler, SamplerOutput
 from scheduler.request import SamplingParams
 from spec_decode.sampling import apply_min_p, apply_top_k_top_p, position_seed
-from tests.sampling_helpers import sampling_metadata
+from tests.sampling_helpers import chi2_critical, chi2_statistic, sampling_metadata
 
 VOCAB = 64
 
@@ -37,23 +36,6 @@ def repeated_draws(row: torch.Tensor, params: SamplingParams, draws: int,
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return sample(logits, [params] * draws).sampled_token_ids
-
-
-def chi2_critical(df: int, alpha: float) -> float:
-    """Upper-alpha chi-square quantile by the Wilson–Hilferty cube approximation."""
-    z = NormalDist().inv_cdf(1.0 - alpha)
-    c = 2.0 / (9.0 * df)
-    return df * (1.0 - c + z * math.sqrt(c)) ** 3
-
-
-def chi2_statistic(tokens: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    """Pearson's statistic over the support; a draw outside the support is infinite."""
-    observed = torch.bincount(tokens, minlength=expected_probs.numel()).double()
-    expected = expected_probs.double() * tokens.numel()
-    support = expected > 0
-    if bool((observed[~support] > 0).any()):
-        return math.inf
-    return float(((observed - expected)[support] ** 2 / expected[support]).sum())
 
 
 # --- greedy ---------------------------------------------------------------------------
