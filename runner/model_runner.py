@@ -61,6 +61,8 @@ def _adopt_model_dtype(config: RunnerConfig, model: LlamaForCausalLM) -> RunnerC
     it: "auto" takes the model's (on a bf16-capable CPU "auto" alone would pick
     bfloat16 for the cache of a float32 model); any other dtype must match it."""
     dtype = model.lm_head.weight.dtype
+    if dtype == config.torch_dtype:
+        return config
     name = next(key for key, value in DTYPES.items() if value == dtype)
     if config.dtype == "auto":
         return replace(config, dtype=name)
@@ -78,16 +80,16 @@ class ModelRunner:
                  model: LlamaForCausalLM | None = None) -> None:
         """`model`: an already loaded model to share (tests, draft == target); its
         weights' dtype is the run's (see `_adopt_model_dtype`)."""
-        if model is not None:
-            config = _adopt_model_dtype(config, model)
+        if model is None:
+            model = load_model(resolve_model(config.model), config.torch_dtype,
+                               torch.device(config.device))
+        config = _adopt_model_dtype(config, model)
         self.config = config
         self.scheduler_config = scheduler_config
         self.speculative_config = speculative_config
         self.block_size = block_size
         self.device = torch.device(config.device)
         self.model_path = resolve_model(config.model)
-        if model is None:
-            model = load_model(self.model_path, config.torch_dtype, self.device)
         self.model = pack_for_inference(model, self.device, config.quantization)
         self.model_config = model.config
         self.attn = get_attention_backend(config.backend_name)
