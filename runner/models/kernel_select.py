@@ -32,16 +32,21 @@ def _candidates(dtype: torch.dtype, device: torch.device,
 
 
 def select_linear_kernel(dtype: torch.dtype, device: torch.device | str,
-                         in_features: int, quantization: str | None = None) -> KernelChoice:
-    """The first candidate (fastest first) that is row-invariant here; the last one,
-    marked not row-invariant, when none is (plain `F.linear`, or the only kernel a
-    quantization has)."""
+                         in_features: int | tuple[int, ...],
+                         quantization: str | None = None) -> KernelChoice:
+    """The first candidate (fastest first) that is row-invariant here at every input
+    width the model has (`in_features`: the hidden size, and the MLP's intermediate
+    size, which its down projection reduces over); the last one, marked not
+    row-invariant, when none is (plain `F.linear`, or the only kernel a quantization
+    has)."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, "
                          f"got {quantization!r}")
     device = torch.device(device)
     candidates = _candidates(dtype, device, quantization)
+    widths = (in_features,) if isinstance(in_features, int) else in_features
     for kernel in candidates:
-        if is_row_invariant(kernel, dtype, in_features, device=str(device)):
+        if all(is_row_invariant(kernel, dtype, width, device=str(device))
+               for width in widths):
             return KernelChoice(kernel, True)
     return KernelChoice(candidates[-1], False)

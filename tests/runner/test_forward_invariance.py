@@ -94,7 +94,9 @@ def model(request: pytest.FixtureRequest) -> Iterator[LlamaForCausalLM]:
     config = RunnerConfig(dtype="auto" if quantization else request.param,
                           quantization=quantization)
     loaded = load_model(resolve_model(None), config.torch_dtype)
-    loaded.pack(select_linear_kernel(config.torch_dtype, "cpu", loaded.config.hidden_size,
+    cfg = loaded.config
+    loaded.pack(select_linear_kernel(config.torch_dtype, "cpu",
+                                     (cfg.hidden_size, cfg.intermediate_size),
                                      quantization))
     yield loaded
 

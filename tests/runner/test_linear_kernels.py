@@ -89,6 +89,45 @@ def test_the_probe_catches_a_kernel_whose_rows_depend_on_the_call(
     assert "NOT row-invariant" in choice.description
 
 
+class _IndexLeaks(LinearKernel):
+    """Broken on purpose: a row at index 4 of a call of more than 4 rows gets other
+    bits (what oneDNN did here to the MLP's 1536-wide reduction): every prefix of a
+    wide call agrees with the wide call, so only a row alone against its place in the
+    call shows it."""
+
+    name = "index-leaks"
+
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
+        inner = TorchLinear().pack(weight, bias)
+
+        class Leaky(PackedLinear):
+            out_features = inner.out_features
+
+            def __call__(self, x: torch.Tensor) -> torch.Tensor:
+                out = inner(x)
+                if x.shape[0] > 4:
+                    out[4] = torch.nextafter(out[4], out[4] + 1)
+                return out
+
+            def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+                return residual + self(x)
+
+        return Leaky()
+
+
+def test_the_probe_catches_a_row_whose_bits_depend_on_its_index() -> None:
+    assert not is_row_invariant(_IndexLeaks(), torch.float32, in_features=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_is_row_invariant_at_every_width_the_model_reduces_over(
+        dtype: torch.dtype) -> None:
+    """576 (hidden), 1536 (the MLP's down projection) and 1728 (an EAGLE-3 head's fc):
+    the wide ones run as slices of at most MAX_REDUCTION inputs."""
+    for width in (576, 1536, 1728):
+        assert is_row_invariant(OneDNNLinear(), dtype, in_features=width), width
+
+
 def test_a_kernel_that_cannot_run_here_is_not_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
     class Refuses(LinearKernel):
         name = "refuses"
