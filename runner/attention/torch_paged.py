@@ -116,10 +116,17 @@ def _attend_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     num_q = q_end - q_start
     q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)
     mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+    # In float32, as the batched path: a prompt computed whole here and the same
+    # prompt's tail computed after a prefix-cache hit (a short chunk, batched) then
+    # differ by float32 rounding only, never by bfloat16's (which flipped near-tied
+    # greedy tokens on a bf16 CPU).
+    dtype = q.dtype
+    if dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
     attn = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
         scale=scale, enable_gqa=True)
-    out[q_start:q_end] = attn.transpose(0, 1)
+    out[q_start:q_end] = attn.transpose(0, 1).to(dtype)
 
 
 def plan_batched(meta: AttentionMetadata, block_size: int, num_heads: int,

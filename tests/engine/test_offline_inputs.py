@@ -17,7 +17,11 @@ PARAMS = SamplingParams(max_tokens=3)
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(max_model_len=128)
+    """Over the model the server tests share (float32), so the offline and served
+    figures compare like with like whatever dtype "auto" picks on this CPU."""
+    from tests.server_helpers import default_model
+
+    return LLM(loaded_model=default_model(), max_model_len=128)
 
 
 def _still_serves(llm: LLM) -> None:
@@ -75,6 +79,7 @@ def test_chat_accepts_text_parts_as_the_server_does(llm: LLM) -> None:
     plain = [{"role": "user", "content": "Say hi."}]
     (a,) = llm.chat(parts, PARAMS, use_tqdm=False)
     (b,) = llm.chat(plain, PARAMS, use_tqdm=False)
+    assert a.prompt_token_ids == b.prompt_token_ids
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
