@@ -65,7 +65,8 @@ def make_scheduler(method: str | None, num_reqs: int, num_steps: int) -> Schedul
     # Each step adds at most 1 + K tokens plus K lookahead slots per request.
     tokens = PROMPT_LEN + (num_steps + 1) * (1 + NUM_SPEC) + NUM_SPEC
     num_blocks = num_reqs * (tokens // BLOCK_SIZE + 2)
-    spec = SpeculativeConfig(method, NUM_SPEC) if method else None
+    # "fixed": every request drafts K, the cost this benchmark has always measured.
+    spec = SpeculativeConfig(method, NUM_SPEC, draft_policy="fixed") if method else None
     return Scheduler(SchedulerConfig(budget, num_reqs, MAX_MODEL_LEN),
                      CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks), spec)
 

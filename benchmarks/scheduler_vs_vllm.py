@@ -80,11 +80,14 @@ TIMINGS = ("us_per_step", "us_per_step_all", "schedule_us", "update_us",
 
 
 def speculative_config(method: str, k: int) -> SpeculativeConfig | None:
+    """K drafts per step for every request, as vLLM's side proposes ("fixed"): the two
+    schedulers must decide alike for their costs to compare."""
     if method == "off":
         return None
     if method == "ngram":  # the prompt-lookup range vLLM's side is given too
-        return SpeculativeConfig("ngram", k, prompt_lookup_min=2, prompt_lookup_max=4)
-    return SpeculativeConfig(method, k)
+        return SpeculativeConfig("ngram", k, prompt_lookup_min=2, prompt_lookup_max=4,
+                                 draft_policy="fixed")
+    return SpeculativeConfig(method, k, draft_policy="fixed")
 
 
 class OursSide:

@@ -126,7 +126,7 @@ def run_seed(spec: SpeculativeConfig, budget: int, max_num_seqs: int, rule_name:
 
 def run_config(method: str, k: int, budget: int, max_num_seqs: int, rule_name: str,
                workload: WorkloadConfig, seeds: tuple[int, ...]) -> dict:
-    spec = SpeculativeConfig(method, k)
+    spec = SpeculativeConfig(method, k, draft_policy="fixed")  # K always, as vLLM's rules
     record: dict = {"method": method, "k": k, "max_num_batched_tokens": budget,
                     "max_num_seqs": max_num_seqs, "rule": rule_name,
                     "reservation_S": per_request_reservation(method, k)}

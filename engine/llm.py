@@ -228,4 +228,5 @@ class LLM:
             "num_scheduled_tokens": stats.num_scheduled_tokens,
             "peak_pass_rows": dict(stats.peak_pass_rows),
             "spec_decode": stats.spec.as_dict(),
+            "draft_policy": stats.goodput.as_dict(),
         }

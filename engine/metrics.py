@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.output import LatencySample, RequestDelta
-from scheduler.stats import SchedulerStats
+from scheduler.stats import GoodputStats, SchedulerStats
 
 PREFIX = "specbudget:"
 
@@ -78,6 +78,7 @@ class _SeenStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    chosen_k: list[int] = field(default_factory=list)
 
 
 class EngineMetrics:
@@ -142,6 +143,20 @@ class EngineMetrics:
             Counter, "spec_decode_num_accepted_tokens_per_pos_total",
             "Draft tokens accepted, by position in the step's drafts (0 = first).",
             ("position",))
+        self.spec_chosen_k = self._add(
+            Counter, "spec_decode_chosen_k_total",
+            "Sampling requests by the k drafts the draft policy had them propose.", ("k",))
+        self.spec_share_steps_k0 = self._add(
+            Gauge, "spec_decode_share_steps_k0",
+            "Share of steps with sampling requests in which none proposed a draft.").labels(m)
+        self.step_seconds_predicted = self._add(
+            Gauge, "step_seconds_predicted",
+            "The goodput policy's predicted time of the last timed step.").labels(m)
+        self.step_seconds_measured = self._add(
+            Gauge, "step_seconds_measured", "The runner's measured time of that step.").labels(m)
+        self.step_seconds_abs_error = self._add(
+            Gauge, "step_seconds_mean_abs_error",
+            "Mean |predicted - measured| step time since start.").labels(m)
 
     def _make_histograms(self) -> None:
         m = self.model_name
@@ -220,8 +235,25 @@ class EngineMetrics:
             before = seen.accepted_per_pos[pos] if pos < len(seen.accepted_per_pos) else 0
             # inc(0) still creates the position's series, so every position shows.
             self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(total - before)
+        self._on_goodput(stats.goodput, seen.chosen_k)
         self._seen = _SeenStats(stats.num_preemptions, spec.num_drafts, spec.num_draft_tokens,
-                                spec.num_accepted_tokens, list(per_pos))
+                                spec.num_accepted_tokens, list(per_pos),
+                                list(stats.goodput.chosen_k))
+
+    def _on_goodput(self, goodput: GoodputStats, seen_k: list[int]) -> None:
+        """The draft policy's choices and its step-time predictions."""
+        for k, total in enumerate(goodput.chosen_k):
+            before = seen_k[k] if k < len(seen_k) else 0
+            self.spec_chosen_k.labels(self.model_name, str(k)).inc(total - before)
+        if goodput.share_steps_k0 is not None:
+            self.spec_share_steps_k0.set(goodput.share_steps_k0)
+        if goodput.last_predicted_seconds is not None:
+            self.step_seconds_predicted.set(goodput.last_predicted_seconds)
+        if goodput.last_measured_seconds is not None:
+            self.step_seconds_measured.set(goodput.last_measured_seconds)
+        error = goodput.as_dict()["mean_abs_error_seconds"]
+        if isinstance(error, float):
+            self.step_seconds_abs_error.set(error)
 
     def on_pass_rows(self, pass_rows: Mapping[str, int], budget: int) -> None:
         """Rows of every forward pass of the last step; a pass it did not run reads 0."""

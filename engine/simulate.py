@@ -112,7 +112,7 @@ class _Table:
         self.names = names
         cells = [f"{'step':>5}", f"{'run':>4}", f"{'wait':>4}"]
         cells += [f"{name + '/B':>13}" for name in names]
-        cells += [f"{'k-sum':>5}", f"{'kv%':>5}", "events"]
+        cells += [f"{'k-sum':>5}", f"{'k-max':>5}", f"{'kv%':>5}", "events"]
         print(" ".join(cells))
 
     def __call__(self, step: int, out: SchedulerOutput, _: ModelRunnerOutput) -> None:
@@ -123,7 +123,8 @@ class _Table:
         for name in self.names:
             rows = out.pass_rows[name]
             cells.append(f"{rows:>5}/{self.budget:<4}{rows / self.budget:>4.0%}")
-        cells += [f"{sum(out.num_draft_tokens.values()):>5}", f"{sched.kv_cache_usage():>5.0%}"]
+        k = out.num_draft_tokens.values()
+        cells += [f"{sum(k):>5}", f"{max(k, default=0):>5}", f"{sched.kv_cache_usage():>5.0%}"]
         events = []
         if out.scheduled_new_reqs:
             events.append(f"+{len(out.scheduled_new_reqs)} admitted")
@@ -132,6 +133,16 @@ class _Table:
         if out.finished_req_ids:
             events.append(f"{len(out.finished_req_ids)} finished")
         print(" ".join([*cells, ", ".join(events)]))
+
+
+def synthetic_step_time(seconds_per_pass: float,
+                        seconds_per_row: float) -> Callable[[dict[str, int]], float]:
+    """A deterministic clock for the simulated runner: each pass that runs costs a
+    fixed time plus a time per row (what the goodput policy's time model learns)."""
+    def step_time(pass_rows: dict[str, int]) -> float:
+        ran = sum(1 for rows in pass_rows.values() if rows)
+        return seconds_per_pass * ran + seconds_per_row * sum(pass_rows.values())
+    return step_time
 
 
 def simulate_command(args: argparse.Namespace) -> int:
@@ -146,8 +157,9 @@ def simulate_command(args: argparse.Namespace) -> int:
     )
     # Strict: the runner holds the scheduler's limits and checks every step as the
     # model runner would (k rule, positions, KV slots, each pass against B).
-    runner = SimulatedRunner(scheduler, acceptance=args.acceptance,
-                                           seed=args.seed)
+    runner = SimulatedRunner(scheduler, acceptance=args.acceptance, seed=args.seed,
+                             step_time=synthetic_step_time(args.seconds_per_pass,
+                                                           args.seconds_per_row))
     workload = make_workload(WorkloadConfig(num_decoders=args.num_decoders,
                                             num_long=args.num_long, seed=args.seed,
                                             long_prompt=(512, 2048)))
@@ -162,6 +174,8 @@ def simulate_command(args: argparse.Namespace) -> int:
         "peak_rows_per_pass": stats.peak_pass_rows,
         "acceptance_rate": (stats.num_accepted_drafts / stats.num_verified_drafts
                             if stats.num_verified_drafts else None),
+        "draft_policy": spec.draft_policy if spec else None,
+        "goodput": stats.goodput.as_dict(),
     }
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -169,4 +183,9 @@ def simulate_command(args: argparse.Namespace) -> int:
         print(f"\n{result.steps} steps, {result.num_preemptions} preemptions; peak rows per "
               f"pass {stats.peak_pass_rows} (B={args.max_num_batched_tokens}): "
               "no pass ever exceeded B, and every step's built rows matched the charge.")
+        chosen = stats.goodput
+        if spec is not None and chosen.num_sampling_steps:
+            print(f"chosen k (draft_policy={spec.draft_policy}): requests per k "
+                  f"{dict(enumerate(chosen.chosen_k))}; steps with k = 0 for every "
+                  f"sampling request: {chosen.share_steps_k0:.0%}")
     return 0

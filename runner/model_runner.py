@@ -235,8 +235,18 @@ class ModelRunner:
         self.last_pass_rows = planned.counts
         return planned
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; the output carries its wall time (the goodput draft policy's
+        step-time model learns from it)."""
+        start = time.perf_counter()
+        result = self._execute(out)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        result.step_seconds = time.perf_counter() - start
+        return result
+
+    @torch.inference_mode()
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         req_ids = list(out.num_scheduled_tokens)
         n = np.fromiter(out.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         k = np.array([out.num_draft_tokens.get(r, 0) for r in req_ids], dtype=np.int64)

@@ -52,9 +52,12 @@ class SimulatedRunner:
 
     def __init__(self, scheduler: Scheduler, vocab_size: int = 1000, acceptance: float = 0.6,
                  eos_token_id: int | None = None, eos_prob: float = 0.0, seed: int = 0,
-                 propose: Callable[[str, int], list[int]] | None = None) -> None:
+                 propose: Callable[[str, int], list[int]] | None = None,
+                 step_time: Callable[[dict[str, int]], float] | None = None) -> None:
         """A runner for `scheduler`'s configs (read once: B, max_model_len, K and the
-        block size are the limits it checks every step against)."""
+        block size are the limits it checks every step against). `step_time`: the
+        seconds a step "takes" given the rows it built per pass, reported as
+        `ModelRunnerOutput.step_seconds` (a deterministic stand-in for a clock)."""
         spec = scheduler.speculative_config
         self.method = spec.spec_method if spec else None
         self.vocab_size = vocab_size
@@ -63,6 +66,7 @@ class SimulatedRunner:
         self.eos_prob = eos_prob
         self.rng = random.Random(seed)
         self.propose = propose or self._random_drafts
+        self.step_time = step_time
         self.max_model_len = scheduler.config.max_model_len
         self.max_k = spec.num_speculative_tokens if spec else 0
         self.block_size = scheduler.cache_config.block_size
@@ -137,7 +141,9 @@ class SimulatedRunner:
                 drafts[rid] = self.propose(rid, int(k[i]))[:int(k[i])]
         self.last_step = self._build(planned.passes, facts, n, k, valid,
                                      np.array([bool(t) for t in sampled], dtype=bool))
-        return ModelRunnerOutput(req_ids, sampled, drafts, pass_rows=planned.counts)
+        seconds = self.step_time(planned.counts) if self.step_time else None
+        return ModelRunnerOutput(req_ids, sampled, drafts, pass_rows=planned.counts,
+                                 step_seconds=seconds)
 
     def _build(self, planned: list[PassRows], facts: StepFacts, n: np.ndarray, k: np.ndarray,
                valid: np.ndarray, samples: np.ndarray) -> BuiltStep:

@@ -31,6 +31,7 @@ class ChunkPlan:
     lookahead: int
     # k the rule allowed; above num_draft_tokens only when the adaptive policy cut k to fit.
     rule_draft_tokens: int = 0
+    samples: bool = True  # the chunk reaches the last known token
 
 
 Counts = int | np.ndarray  # one request's counter, or one per request
@@ -45,6 +46,7 @@ class RequestView:
     num_spec_tokens: int  # drafts waiting to be verified
     num_output_tokens: int
     max_tokens: int
+    max_drafts: int = 1 << 30  # the draft policy's cap on k (goodput); the rule's k below it
 
 
 def k_rule(max_k: int, max_model_len: int, num_tokens: Counts, num_output: Counts,
@@ -134,7 +136,8 @@ def plan_chunk(rule: ThrottleRule, remaining: list[int], req: RequestView,
     linear = min([max_chunk] + [rem for rem, ctx in zip(remaining, rule.context) if ctx])
     for n in range(linear, first - 1, -1):
         s = n - first
-        k_max = int(rule.k(req.num_tokens, req.num_output_tokens, req.max_tokens, s))
+        k_max = min(int(rule.k(req.num_tokens, req.num_output_tokens, req.max_tokens, s)),
+                    req.max_drafts)
         for k in range(k_max, -1, -1) if rule.adaptive else (k_max,):
             plan = rule.plan(n, s, k)
             if _fits(plan, remaining):
@@ -146,7 +149,7 @@ def plan_chunk(rule: ThrottleRule, remaining: list[int], req: RequestView,
     for n in range(min(linear, first - 1), 0, -1):
         plan = rule.plan(n, 0, 0)
         if _fits(plan, remaining):
-            return plan
+            return replace(plan, samples=False)
     return None
 
 

@@ -25,7 +25,7 @@ from scheduler.request import Request
 from scheduler.step_record import StepRecord
 
 # Counters gathered per running request, in this order (`RunningCounters.gather`).
-_FIELDS = 6
+_FIELDS = 8
 
 
 @dataclass(frozen=True)
@@ -38,24 +38,29 @@ class RunningCounters:
     num_output: np.ndarray  # [num_reqs]
     max_tokens: np.ndarray  # [num_reqs]
     num_blocks: np.ndarray  # [num_reqs] KV blocks held
+    drafts_reached: np.ndarray  # [num_reqs] its drafts verified so far that were reached
+    drafts_accepted: np.ndarray  # [num_reqs] ... and accepted (the goodput policy reads)
 
     @classmethod
     def gather(cls, requests: Sequence[Request],
                req_blocks: dict[str, list[KVCacheBlock]]) -> RunningCounters:
         # One flat pass over the requests (one fromiter, no per-request arrays); the
-        # reshape turns [c0, t0, s0, o0, m0, b0, c1, ...] into one row per request.
+        # reshape turns [c0, t0, s0, o0, m0, b0, r0, a0, c1, ...] into one row each.
         flat = np.fromiter(chain.from_iterable(
             (r.num_computed_tokens, len(r.all_token_ids), len(r.spec_token_ids),
              len(r.output_token_ids), r.sampling_params.max_tokens,
-             len(req_blocks.get(r.request_id, ()))) for r in requests),
+             len(req_blocks.get(r.request_id, ())), r.drafts_reached, r.drafts_accepted)
+            for r in requests),
             dtype=np.int64, count=_FIELDS * len(requests))
         return cls(*flat.reshape(len(requests), _FIELDS).T)
 
 
 def plan_bulk(record: StepRecord, requests: Sequence[Request], counters: RunningCounters,
-              num_free_blocks: int, block_size: int, long_prefill_threshold: int) -> int:
+              num_free_blocks: int, block_size: int, long_prefill_threshold: int,
+              max_drafts: np.ndarray | None = None) -> int:
     """Charge `record` with the longest leading run of `requests` whose whole pending
-    chunks fit; return how many. The rule must be tabled (`record.rule.tables`).
+    chunks fit; return how many. The rule must be tabled (`record.rule.tables`);
+    `max_drafts` caps each request's k below the rule's (the draft policy's caps).
 
     A request's chunk with an unlimited budget is its whole pending chunk, capped by
     the long-prefill threshold (0: never capped): n = min(first + s_held, threshold),
@@ -75,7 +80,10 @@ def plan_bulk(record: StepRecord, requests: Sequence[Request], counters: Running
         n = np.minimum(n, long_prefill_threshold)
     samples = n >= first
     s = np.where(samples, n - first, 0)
-    k = np.where(samples, rule.k(c.num_tokens, c.num_output, c.max_tokens, s), 0)
+    k = rule.k(c.num_tokens, c.num_output, c.max_tokens, s)
+    if max_drafts is not None:
+        k = np.minimum(k, max_drafts)
+    k = np.where(samples, k, 0)
     rows = n[:, None] * ctx + base[k]  # [num_reqs, num_passes]
     lookahead = lookahead_of[k]
     # Blocks needed for every computed slot after the step, past those held.
@@ -88,5 +96,5 @@ def plan_bulk(record: StepRecord, requests: Sequence[Request], counters: Running
     if count:
         record.extend(list(requests[:count]), c.num_computed[:count], n[:count], s[:count],
                       k[:count], rows[:count], lookahead[:count], c.num_blocks[:count],
-                      new_blocks[:count])
+                      new_blocks[:count], samples[:count])
     return count

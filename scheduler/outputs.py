@@ -85,6 +85,9 @@ class ModelRunnerOutput:
     # Per request asking for logprobs, one (token ids, logprobs) per emitted token: the
     # emitted token first, then the top n (verification emits several per step).
     logprobs: dict[str, list[tuple[list[int], list[float]]]] = field(default_factory=dict)
+    # Wall seconds the step took, as the runner measured it (the goodput draft policy
+    # fits its step-time model to it); None where nothing was measured.
+    step_seconds: float | None = None
 
 
 @dataclass(slots=True)  # one per request per step: keep it cheap

@@ -14,6 +14,7 @@ import numpy as np
 from scheduler.budget import RequestView, ThrottleRule, check_budget_config, plan_chunk
 from scheduler.bulk_plan import RunningCounters, plan_bulk
 from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.goodput import GoodputPolicy
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.outputs import (
     CachedRequestData,
@@ -47,6 +48,10 @@ class Scheduler:
         self.rule = rule or ThrottleRule(self.method, max_k, scheduler_config.max_model_len,
                                          adaptive)
         check_budget_config(self.rule, speculative_config, scheduler_config.max_num_batched_tokens)
+        # draft_policy="goodput": a cap on each request's k per step (scheduler/goodput.py).
+        self.policy = (GoodputPolicy(self.rule, scheduler_config.max_num_batched_tokens)
+                       if speculative_config is not None
+                       and speculative_config.draft_policy == "goodput" else None)
         self.kv = KVCacheManager(cache_config)
         # The bulk plan takes the running requests that take their whole chunk in one
         # numpy pass, whenever the rule is tabled; False plans every request with
@@ -56,6 +61,7 @@ class Scheduler:
         self.waiting = make_queue(scheduler_config.policy)
         self.running: list[Request] = []
         self.stats = SchedulerStats()
+        self._predicted_seconds: float | None = None  # of the step last planned
         self._finished_since_last_step: set[str] = set()
 
     # ---- requests in and out -------------------------------------------------
@@ -158,7 +164,8 @@ class Scheduler:
         record.reset()
         return record
 
-    def _view(self, request: Request, num_computed: int | None = None) -> RequestView:
+    def _view(self, request: Request, max_drafts: int,
+              num_computed: int | None = None) -> RequestView:
         return RequestView(
             num_computed_tokens=(request.num_computed_tokens if num_computed is None
                                  else num_computed),
@@ -166,6 +173,7 @@ class Scheduler:
             num_spec_tokens=len(request.spec_token_ids),
             num_output_tokens=request.num_output_tokens,
             max_tokens=request.max_tokens,
+            max_drafts=max_drafts,
         )
 
     def _max_chunk(self, num_pending: int) -> int:
@@ -176,11 +184,16 @@ class Scheduler:
         return num_pending
 
     def _schedule_running(self, record: StepRecord, preempted: set[str]) -> None:
-        bulk = self._plan_bulk(record)
-        for request in self.running[bulk:]:  # a copy: preemption edits the list
+        running = list(self.running)  # a copy: preemption edits the list
+        counters = (RunningCounters.gather(running, self.kv.req_blocks)
+                    if running and (self.plan_in_bulk or self.policy) else None)
+        caps = self._draft_caps(counters)
+        bulk = self._plan_bulk(record, counters, caps)
+        for i in range(bulk, len(running)):
+            request = running[i]
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room
-            view = self._view(request)
+            view = self._view(request, int(caps[i]) if caps is not None else self.rule.max_k)
             pending = request.num_tokens_with_spec - request.num_computed_tokens
             plan = plan_chunk(self.rule, record.remaining, view, self._max_chunk(pending),
                               allow_partial=True)
@@ -195,33 +208,49 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 record.append(request, plan, held, self._num_blocks(request) - held)
         if record.num_refunds:
-            self._offer_refunds(record)
+            self._offer_refunds(record, caps, running)
+
+    def _draft_caps(self, counters: RunningCounters | None) -> np.ndarray | None:
+        """The goodput policy's k cap per running request (None: the rule's k)."""
+        if self.policy is None:
+            return None
+        if counters is None:  # nothing running: only the cap of a fresh request matters
+            self.policy.caps(*(np.zeros(0, dtype=np.int64),) * 3)
+            return None
+        c = counters
+        s = c.num_spec  # verified next if the whole chunk fits (the bulk plan's case)
+        rule_k = self.rule.k(c.num_tokens, c.num_output, c.max_tokens, s)
+        return self.policy.caps(c.drafts_reached, c.drafts_accepted, rule_k)
 
     def _num_blocks(self, request: Request) -> int:
         return len(self.kv.req_blocks.get(request.request_id, ()))
 
-    def _plan_bulk(self, record: StepRecord) -> int:
+    def _plan_bulk(self, record: StepRecord, counters: RunningCounters | None,
+                   caps: np.ndarray | None) -> int:
         """Plan, charge and give KV to the leading running requests that take their
         whole chunk (scheduler/bulk_plan.py); return how many. The loop does the rest."""
-        if not (self.plan_in_bulk and self.running and self.rule.tables is not None):
+        if not (self.plan_in_bulk and counters is not None and self.rule.tables is not None):
             return 0
-        counters = RunningCounters.gather(self.running, self.kv.req_blocks)
         threshold = (self.config.long_prefill_token_threshold
                      if self.config.enable_chunked_prefill else 0)
         count = plan_bulk(record, self.running, counters, self.kv.pool.num_free_blocks,
-                          self.kv.block_size, threshold)
+                          self.kv.block_size, threshold, caps)
         self.kv.append_blocks(self.running[:count], record.new_blocks[:count])
         return count
 
-    def _offer_refunds(self, record: StepRecord) -> None:
+    def _offer_refunds(self, record: StepRecord, caps: np.ndarray | None,
+                       running: list[Request]) -> None:
         """Under priority a victim may be preempted after requests behind it were
         planned with the rows it held: offer the refund back to each, in order. A
         larger chunk is taken only if the KV pool holds it without preempting more."""
+        cap_of = ({r.request_id: int(c) for r, c in zip(running, caps.tolist())}
+                  if caps is not None else {})
         for i in np.flatnonzero(record.live[:record.count]).tolist():
             request = record.requests[i]
             old = record.refund(i)
             pending = request.num_tokens_with_spec - request.num_computed_tokens
-            plan = plan_chunk(self.rule, record.remaining, self._view(request),
+            view = self._view(request, cap_of.get(request.request_id, self.rule.max_k))
+            plan = plan_chunk(self.rule, record.remaining, view,
                               self._max_chunk(pending), allow_partial=True)
             if plan is None or plan.num_tokens <= old.num_tokens or not \
                     self.kv.allocate_slots(request, plan.num_tokens, plan.lookahead):
@@ -270,7 +299,8 @@ class Scheduler:
                 suspect_in_step = True
             prefix = self.kv.find_prefix(request)
             num_cached = len(prefix) * self.kv.block_size
-            plan = plan_chunk(self.rule, record.remaining, self._view(request, num_cached),
+            cap = self.policy.new_request_cap if self.policy else self.rule.max_k
+            plan = plan_chunk(self.rule, record.remaining, self._view(request, cap, num_cached),
                               self._max_chunk(request.num_tokens - num_cached),
                               allow_partial=self.config.enable_chunked_prefill)
             if plan is None:
@@ -309,6 +339,8 @@ class Scheduler:
         output = build_output(record, req_ids, new_reqs, self._cached(record, req_ids, num_running),
                               spec_tokens, preempted, finished)
         self.stats.record_step(output)
+        if self.policy is not None:
+            self._predict_seconds(record, output)
         return output
 
     def _cached(self, record: StepRecord, req_ids: list[str],
@@ -321,6 +353,31 @@ class Scheduler:
             new_ids[i] = self.kv.block_ids(req_ids[i], int(held[i]))
         return CachedRequestData(req_ids[:num_running], new_ids,
                                  record.num_computed[live][:num_running].tolist())
+
+    def _teach_policy(self, out: SchedulerOutput, result: ModelRunnerOutput,
+                      verified: list[int], accepted: list[int]) -> None:
+        """The goodput policy learns from each step: its verifications, and its time
+        against the rows the runner built (as charged, if it reported none)."""
+        assert self.policy is not None
+        rows = result.pass_rows or out.pass_rows
+        target = rows.get("target", 0)
+        drafter = sum(rows.values()) - target
+        self.policy.observe_step(verified, accepted, target, drafter, result.step_seconds)
+        if result.step_seconds is not None and self._predicted_seconds is not None:
+            self.stats.goodput.record_time(self._predicted_seconds, result.step_seconds)
+
+    def _predict_seconds(self, record: StepRecord, output: SchedulerOutput) -> None:
+        """What the policy's time model expects of the step just planned (a metric)."""
+        assert self.policy is not None
+        live = record.live_rows()
+        k = record.num_draft_tokens[live]
+        sampling = record.samples[live]
+        self.stats.goodput.record_drafts(k[sampling])
+        drafter = sum(output.pass_rows.values()) - output.total_num_scheduled_tokens
+        if self.method is not None and self.method.sequential:
+            drafter += int(np.maximum(k - 1, 0).sum())
+        self._predicted_seconds = float(self.policy.time_model.predict(
+            output.total_num_scheduled_tokens, drafter))
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
@@ -365,6 +422,8 @@ class Scheduler:
                 verified = len(spec) if spec else 0
                 accepted = count_accepted(request, sampled, verified)
                 request.num_computed_tokens -= verified - accepted
+                request.drafts_reached += min(accepted + 1, verified)
+                request.drafts_accepted += accepted
                 verified_counts.append(verified)
                 accepted_counts.append(accepted)
             num_before = len(request.output_token_ids)
@@ -388,6 +447,9 @@ class Scheduler:
                                             logprobs[rid][:len(new)] if rid in logprobs else []))
         self.kv.cache_full_blocks(advanced)
         self.stats.spec.record_many(verified_counts, accepted_counts)
+        if self.policy is not None:
+            self._teach_policy(scheduler_output, runner_output, verified_counts,
+                               accepted_counts)
         if finished:  # (running requests left unscheduled this step stay as they are)
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs

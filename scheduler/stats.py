@@ -87,6 +87,53 @@ def _add_reaching(per_pos: list[int], counts: np.ndarray, width: int) -> list[in
 
 
 @dataclass
+class GoodputStats:
+    """What the goodput draft policy chose and how well it predicted step times."""
+
+    # [k]: sampling requests that proposed k drafts (every sampling request counted).
+    chosen_k: list[int] = field(default_factory=list)
+    num_sampling_steps: int = 0  # steps with at least one sampling request
+    num_steps_k0: int = 0  # ... of which none proposed a draft
+    num_timed_steps: int = 0
+    predicted_seconds: float = 0.0  # summed over the timed steps
+    measured_seconds: float = 0.0
+    abs_error_seconds: float = 0.0
+    last_predicted_seconds: float | None = None
+    last_measured_seconds: float | None = None
+
+    def record_drafts(self, k: np.ndarray) -> None:
+        """The k of every sampling request of one step."""
+        if not len(k):
+            return
+        counts = np.bincount(k, minlength=len(self.chosen_k))
+        self.chosen_k = (np.pad(np.asarray(self.chosen_k, dtype=np.int64),
+                                (0, len(counts) - len(self.chosen_k))) + counts).tolist()
+        self.num_sampling_steps += 1
+        self.num_steps_k0 += not k.any()
+
+    def record_time(self, predicted: float, measured: float) -> None:
+        self.num_timed_steps += 1
+        self.predicted_seconds += predicted
+        self.measured_seconds += measured
+        self.abs_error_seconds += abs(predicted - measured)
+        self.last_predicted_seconds, self.last_measured_seconds = predicted, measured
+
+    @property
+    def share_steps_k0(self) -> float | None:
+        return self.num_steps_k0 / self.num_sampling_steps if self.num_sampling_steps else None
+
+    def as_dict(self) -> dict[str, object]:
+        timed = self.num_timed_steps
+        return {
+            "chosen_k": list(self.chosen_k),
+            "share_steps_k0": self.share_steps_k0,
+            "mean_predicted_step_seconds": self.predicted_seconds / timed if timed else None,
+            "mean_measured_step_seconds": self.measured_seconds / timed if timed else None,
+            "mean_abs_error_seconds": self.abs_error_seconds / timed if timed else None,
+        }
+
+
+@dataclass
 class SchedulerStats:
     """Cumulative counts since start; the per-pass peaks show how tight B ran."""
 
@@ -96,6 +143,7 @@ class SchedulerStats:
     num_scheduled_tokens: int = 0
     peak_pass_rows: dict[str, int] = field(default_factory=dict)
     spec: SpecDecodingStats = field(default_factory=SpecDecodingStats)
+    goodput: GoodputStats = field(default_factory=GoodputStats)
 
     def record_step(self, output: SchedulerOutput) -> None:
         self.num_steps += 1

@@ -35,6 +35,7 @@ class StepRecord:
         self.lookahead = np.zeros(ints, dtype=np.int64)
         self.held_blocks = np.zeros(ints, dtype=np.int64)
         self.new_blocks = np.zeros(ints, dtype=np.int64)
+        self.samples = np.zeros(ints, dtype=bool)  # the chunk reaches the last known token
         self.live = np.zeros(ints, dtype=bool)  # False: refunded (preempted)
         self.reset()
 
@@ -54,7 +55,7 @@ class StepRecord:
 
     def extend(self, requests: list[Request], num_computed: np.ndarray, n: np.ndarray,
                s: np.ndarray, k: np.ndarray, rows: np.ndarray, lookahead: np.ndarray,
-               held: np.ndarray, new_blocks: np.ndarray) -> None:
+               held: np.ndarray, new_blocks: np.ndarray, samples: np.ndarray) -> None:
         """Charge many requests at once (the bulk plan: each got the k the rule allows)."""
         start, end = self.count, self.count + len(requests)
         self.requests.extend(requests)
@@ -67,6 +68,7 @@ class StepRecord:
         self.lookahead[start:end] = lookahead
         self.held_blocks[start:end] = held
         self.new_blocks[start:end] = new_blocks
+        self.samples[start:end] = samples
         self.live[start:end] = True
         self.remaining = [rem - int(row) for rem, row in zip(self.remaining, rows.sum(axis=0))]
         if self._index is not None:
@@ -95,6 +97,7 @@ class StepRecord:
         self.rows[i] = plan.rows
         self.lookahead[i] = plan.lookahead
         self.new_blocks[i] = new_blocks
+        self.samples[i] = plan.samples
         self.live[i] = True
         self.remaining = [rem - row for rem, row in zip(self.remaining, plan.rows)]
 
@@ -120,7 +123,8 @@ class StepRecord:
         """Row i as the `ChunkPlan` that `plan_chunk` returns for it."""
         return ChunkPlan(int(self.num_tokens[i]), int(self.num_spec[i]),
                          int(self.num_draft_tokens[i]), tuple(self.rows[i].tolist()),
-                         int(self.lookahead[i]), int(self.rule_draft_tokens[i]))
+                         int(self.lookahead[i]), int(self.rule_draft_tokens[i]),
+                         bool(self.samples[i]))
 
     def live_rows(self) -> np.ndarray | slice:
         """The rows still charged, in order: a slice when nothing was refunded."""

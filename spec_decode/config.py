@@ -8,7 +8,7 @@ from typing import Any
 from spec_decode.methods import SpecMethod, get_method, method_names
 
 METHODS = method_names()  # the methods shipped here; the registry may hold more
-DRAFT_POLICIES = ("fixed", "fit")
+DRAFT_POLICIES = ("goodput", "fixed", "fit")
 # The top-level keys of a speculative_config dict; the rest are the method's options.
 _FIELDS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min",
            "prompt_lookup_max", "draft_policy")
@@ -24,10 +24,13 @@ class SpeculativeConfig:
     `prompt_lookup_min/max` bound the n-gram sizes for `ngram`, and `options` carries
     method-specific settings the proposers read (the scheduler never does).
 
-    `draft_policy="fixed"` gives every sampling request the rule's k; a request whose
-    k does not fit the step's remaining budget takes a chunk that stops short of
-    sampling, or waits. `"fit"` (adaptive) lets it propose fewer drafts instead, down
-    to 0, and `SchedulerOutput.adapted_draft_tokens` reports each cut.
+    `draft_policy="goodput"` (the default) caps each sampling request's k, 0
+    included, where the scheduler expects the most output tokens per second from the
+    step (scheduler/goodput.py: acceptance and step-time estimates it learns online).
+    `"fixed"` gives every sampling request the rule's k; a request whose k does not
+    fit the step's remaining budget takes a chunk that stops short of sampling, or
+    waits. `"fit"` (adaptive) lets it propose fewer drafts instead, down to 0, and
+    `SchedulerOutput.adapted_draft_tokens` reports each cut.
     """
 
     method: str
@@ -35,7 +38,7 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    draft_policy: str = "fixed"
+    draft_policy: str = "goodput"
     options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -46,7 +46,11 @@ def _parser() -> argparse.ArgumentParser:
                          "and print each step's budget use per forward pass")
     sim.add_argument("--method", default="dflash", choices=(*METHODS, "none"))
     sim.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
-    sim.add_argument("--draft-policy", default="fixed", choices=DRAFT_POLICIES)
+    sim.add_argument("--draft-policy", default="goodput", choices=DRAFT_POLICIES)
+    sim.add_argument("--seconds-per-pass", type=float, default=0.02,
+                     help="the simulated clock: each forward pass that runs")
+    sim.add_argument("--seconds-per-row", type=float, default=0.0003,
+                     help="the simulated clock: each row of any pass")
     sim.add_argument("--max-num-batched-tokens", type=int, default=512)
     sim.add_argument("--max-num-seqs", type=int, default=64)
     sim.add_argument("--max-model-len", type=int, default=4096)

@@ -124,6 +124,28 @@ def test_cumulative_stats_counted_once_across_steps() -> None:
     assert per_pos[:4] == stats.spec.num_accepted_tokens_per_pos
 
 
+def test_draft_policy_choices_and_step_time_predictions() -> None:
+    """The chosen-k counter adds each step's new choices once; the step-time gauges
+    show the last timed step and the mean error."""
+    import numpy as np
+
+    registry, core = CollectorRegistry(), FakeCore()
+    metrics = EngineMetrics(registry, MODEL)
+    goodput = core.scheduler.stats.goodput
+    goodput.record_drafts(np.array([0, 2, 2]))
+    goodput.record_time(0.010, 0.012)
+    metrics.on_step(core, [], {})
+    goodput.record_drafts(np.array([0, 0]))
+    goodput.record_time(0.020, 0.016)
+    metrics.on_step(core, [], {})
+    chosen = [value(registry, "spec_decode_chosen_k_total", k=str(k)) for k in range(3)]
+    assert chosen == [3, 0, 2]
+    assert value(registry, "spec_decode_share_steps_k0") == 0.5
+    assert value(registry, "step_seconds_predicted") == 0.020
+    assert value(registry, "step_seconds_measured") == 0.016
+    assert value(registry, "step_seconds_mean_abs_error") == pytest.approx(0.003)
+
+
 def test_budget_pass_rows_and_utilization() -> None:
     registry, core = CollectorRegistry(), FakeCore()
     metrics = EngineMetrics(registry, MODEL)

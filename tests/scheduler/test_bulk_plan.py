@@ -48,6 +48,8 @@ class FakeRunning:
     output: int
     max_tokens: int
     blocks: int
+    reached: int = 0
+    accepted: int = 0
 
 
 def _rule(method: str | None, k: int, adaptive: bool, max_model_len: int) -> ThrottleRule:
@@ -80,7 +82,7 @@ def planned(rule: ThrottleRule, reqs: list[FakeRunning], remaining: list[int],
             free_blocks: int, threshold: int) -> list[ChunkPlan]:
     counters = RunningCounters(*(np.array([getattr(r, f) for r in reqs], dtype=np.int64)
                                  for f in ("computed", "tokens", "spec", "output",
-                                           "max_tokens", "blocks")))
+                                           "max_tokens", "blocks", "reached", "accepted")))
     record = StepRecord(rule, 0, len(reqs))
     record.remaining = list(remaining)
     count = plan_bulk(record, reqs, counters, free_blocks, BLOCK,  # type: ignore[arg-type]

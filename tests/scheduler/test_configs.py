@@ -259,7 +259,7 @@ def _min_budget(method: str, k: int) -> int:
 
 
 def _scheduler(method: str | None, k: int, budget: int) -> Scheduler:
-    spec = SpeculativeConfig(method, k) if method else None
+    spec = SpeculativeConfig(method, k, draft_policy="fixed") if method else None
     return Scheduler(SchedulerConfig(budget, 4, 512), CacheConfig(block_size=4, num_blocks=256),
                      spec)
 

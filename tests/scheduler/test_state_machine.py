@@ -15,9 +15,10 @@ import unittest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from engine.simulate import synthetic_step_time
 from runner.simulated import SimulatedRunner
 from scheduler import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig
-from spec_decode import SpeculativeConfig, min_decode_rows
+from spec_decode import DRAFT_POLICIES, SpeculativeConfig, min_decode_rows
 from spec_decode.methods import method_names
 
 NO_EXTRA_ROWS = ("ngram", "suffix", "eagle", "mtp")
@@ -45,15 +46,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         tight=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]),
         chunked=st.booleans(), acceptance=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
         max_num_seqs=st.integers(2, 8), empty_proposer=st.booleans(), seed=st.integers(0, 99),
-        adaptive=st.booleans(),
+        draft_policy=st.sampled_from(DRAFT_POLICIES),
     )
     def setup(self, k: int, extra_budget: int, tight: bool, policy: str, chunked: bool,
               acceptance: float, max_num_seqs: int, empty_proposer: bool, seed: int,
-              adaptive: bool) -> None:
+              draft_policy: str) -> None:
         method = self.method
-        self.adaptive = adaptive
-        spec = (SpeculativeConfig(method, k, draft_policy="fit" if adaptive else "fixed")
-                if method else None)
+        self.adaptive = draft_policy == "fit"
+        self.goodput = draft_policy == "goodput"
+        spec = SpeculativeConfig(method, k, draft_policy=draft_policy) if method else None
         self.max_k = k if method else 0
         budget = (max(min_decode_rows(spec).values()) if spec else 1) + extra_budget
         if not chunked:
@@ -80,7 +81,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         # model runner does: the scheduler must satisfy both on every step.
         self.runner = SimulatedRunner(
             self.sched, vocab_size=50, acceptance=acceptance, eos_token_id=2, eos_prob=0.03,
-            seed=seed, propose=propose)
+            seed=seed, propose=propose, step_time=synthetic_step_time(0.02, 0.0003))
         self.shadow: tuple[Scheduler, SimulatedRunner] | None = None
         if shadow:
             plain = Scheduler(sched_cfg, cache_cfg, None)
@@ -207,6 +208,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             rule_k = expected_k(self.max_k, req, n, s, computed_before)
             if rid in out.adapted_draft_tokens:  # only the adaptive policy may cut k
                 assert self.adaptive and k < rule_k == out.adapted_draft_tokens[rid]
+            elif self.goodput:  # the policy caps k, never past the rule
+                assert k <= rule_k, (rid, n, s, k, rule_k)
             else:
                 assert k == rule_k, (rid, n, s, k, rule_k)
 

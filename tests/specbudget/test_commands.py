@@ -14,9 +14,12 @@ def test_simulate_prints_a_budget_table(capsys: pytest.CaptureFixture[str]) -> N
                  "--max-num-batched-tokens", "128", "--rows", "5"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:6] == ["step", "run", "wait", "target/B", "context/B", "query/B"]
+    assert lines[0].split()[6:8] == ["k-sum", "k-max"]
     assert [ln.split()[0] for ln in lines[1:6]] == ["0", "1", "2", "3", "4"]
     assert not lines[6].strip()  # --rows 5: five steps, then the summary
-    assert "no pass ever exceeded B" in lines[-1]
+    assert "no pass ever exceeded B" in lines[-2]
+    # The goodput policy (the default) says what it chose.
+    assert lines[-1].startswith("chosen k (draft_policy=goodput): requests per k {0: ")
 
 
 def test_simulate_json_summary(capsys: pytest.CaptureFixture[str]) -> None:
@@ -26,6 +29,8 @@ def test_simulate_json_summary(capsys: pytest.CaptureFixture[str]) -> None:
     assert summary["method"] == "pard"
     assert all(rows <= 64 for rows in summary["peak_rows_per_pass"].values())
     assert summary["steps"] > 0 and 0.0 <= summary["acceptance_rate"] <= 1.0
+    chosen = summary["goodput"]["chosen_k"]  # the default policy's choices, k = 0 .. K
+    assert summary["draft_policy"] == "goodput" and sum(chosen) > 0 and len(chosen) <= 5
 
 
 def test_prepare_model_prints_a_loadable_dir(capsys: pytest.CaptureFixture[str]) -> None:
