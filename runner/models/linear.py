@@ -92,7 +92,7 @@ class _OneDNNPacked(PackedLinear):
 
     def _slice(self, x: torch.Tensor, i: int) -> torch.Tensor:
         lo, hi = self.bounds[i]
-        return x if len(self.bounds) == 1 else x[:, lo:hi].contiguous()
+        return x if len(self.bounds) == 1 else x[..., lo:hi].contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.mkldnn._linear_pointwise(self._slice(x, 0), self.packed[0],
