@@ -122,9 +122,11 @@ def test_a_shared_model_packed_otherwise_is_refused(model: LlamaForCausalLM) -> 
 
 
 def test_self_draft_accepts_everything(model: LlamaForCausalLM) -> None:
-    """draft_model with the target as its own draft: acceptance 1.0, length K + 1."""
+    """draft_model with the target as its own draft: acceptance 1.0, length K + 1 (K
+    every step: the fixed policy; goodput may judge fewer drafts worth it)."""
     llm = LLM(loaded_model=model, speculative_config={"method": "draft_model",
-                                                      "num_speculative_tokens": 4})
+                                                      "num_speculative_tokens": 4,
+                                                      "draft_policy": "fixed"})
     # 21 tokens = 1 from the prefill + four steps of 4 accepted drafts + 1 bonus.
     llm.generate(OPEN[:2], SamplingParams(max_tokens=21, ignore_eos=True))
     spec = llm.get_metrics()["spec_decode"]

@@ -26,7 +26,7 @@ PROMPT = list(range(100, 124))  # 24 tokens
 def core_for(method: str, **config: int) -> EngineCore:
     return LLM(loaded_model=default_model(), max_num_batched_tokens=64, num_kv_blocks=16,
                max_model_len=config.pop("max_model_len", 128),
-               speculative_config=spec_dict(method, 4),
+               speculative_config=spec_dict(method, 4, draft_policy="fixed"),
                **config).engine
 
 

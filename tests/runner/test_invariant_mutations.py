@@ -39,7 +39,7 @@ RUNNERS = ("model", "simulated")
 def build(kind: str, method: str, rule: Callable[[Scheduler], ThrottleRule] | None = None
           ) -> tuple[Scheduler, Any]:
     """A scheduler and a runner of `kind` sharing its limits."""
-    spec = spec_dict(method, K)
+    spec = spec_dict(method, K, draft_policy="fixed")  # K drafts: what each mutation breaks
     if kind == "model":
         core = LLM(loaded_model=default_model(), max_num_batched_tokens=B, num_kv_blocks=32,
                    max_model_len=MAX_MODEL_LEN, block_size=BLOCK,

@@ -82,7 +82,7 @@ def _serve_and_record(method: str, prompt: str, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(ModelDrafter, "propose", recording)
     llm = LLM(loaded_model=default_model(), num_kv_blocks=32, max_model_len=256,
               speculative_config={"method": method, "num_speculative_tokens": K,
-                                  "model": "random"})
+                                  "model": "random", "draft_policy": "fixed"})
     head = llm.engine.runner.spec.drafter.net  # type: ignore[union-attr]
     with torch.no_grad():  # mask rows that differ from a zero start
         head.mask_hidden.copy_(torch.randn(head.mask_hidden.shape,
