@@ -58,15 +58,17 @@ FULL = Grid(sizes=(64, 256, 1024), repeats=5, steps=50)
 QUICK = Grid(sizes=(16, 64), repeats=2, steps=3)
 
 
-def make_scheduler(method: str | None, num_reqs: int, num_steps: int) -> Scheduler:
+def make_scheduler(method: str | None, num_reqs: int, num_steps: int,
+                   draft_policy: str = "fixed") -> Scheduler:
     # B fits every request's full decode (1 + K rows) at once, so nothing is throttled
     # and every step schedules all N requests: the cost measured is per request.
     budget = max(8192, num_reqs * (1 + NUM_SPEC))
     # Each step adds at most 1 + K tokens plus K lookahead slots per request.
     tokens = PROMPT_LEN + (num_steps + 1) * (1 + NUM_SPEC) + NUM_SPEC
     num_blocks = num_reqs * (tokens // BLOCK_SIZE + 2)
-    # "fixed": every request drafts K, the cost this benchmark has always measured.
-    spec = SpeculativeConfig(method, NUM_SPEC, draft_policy="fixed") if method else None
+    # "fixed" by default: every request drafts K, the cost this benchmark has always
+    # measured (benchmarks/goodput_cost.py compares the goodput policy against it).
+    spec = SpeculativeConfig(method, NUM_SPEC, draft_policy=draft_policy) if method else None
     return Scheduler(SchedulerConfig(budget, num_reqs, MAX_MODEL_LEN),
                      CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks), spec)
 
@@ -114,12 +116,11 @@ def time_steps(scheduler: Scheduler, runner: SimulatedRunner, num_reqs: int,
 
 
 def run_config(method: str | None, num_reqs: int, repeats: int, num_steps: int,
-               seed: int) -> dict:
+               seed: int, draft_policy: str = "fixed") -> dict:
     total, sched, update, repeat_medians = [], [], [], []
     for repeat in range(repeats):
-        scheduler = make_scheduler(method, num_reqs, num_steps + 64)
-        runner = SimulatedRunner(scheduler, acceptance=ACCEPTANCE,
-                                               seed=seed + repeat)
+        scheduler = make_scheduler(method, num_reqs, num_steps + 64, draft_policy)
+        runner = SimulatedRunner(scheduler, acceptance=ACCEPTANCE, seed=seed + repeat)
         add_requests(scheduler, num_reqs)
         warm_up(scheduler, runner, num_reqs)
         gc.collect()  # start each timed window without the warm-up's garbage
@@ -134,6 +135,7 @@ def run_config(method: str | None, num_reqs: int, repeats: int, num_steps: int,
     return {
         "n_running": num_reqs,
         "method": method or "off",
+        "draft_policy": draft_policy if method else None,
         "num_speculative_tokens": NUM_SPEC if method else 0,
         "median_us": round(median, 1),
         "p10_us": round(deciles[0], 1),

@@ -81,8 +81,10 @@ def head_variants(method: str, model_path: Path, random_heads: bool) -> list[str
 
 
 def run_one(model: LlamaForCausalLM, method: str | None, prompts: list[str], k: int,
-            max_tokens: int, head: str | None = None, concurrency: int = 16) -> dict:
-    spec: dict | None = {"method": method, "num_speculative_tokens": k} if method else None
+            max_tokens: int, head: str | None = None, concurrency: int = 16,
+            policy: str = "goodput") -> dict:
+    spec: dict | None = ({"method": method, "num_speculative_tokens": k,
+                          "draft_policy": policy} if method else None)
     if spec is not None and head is not None:
         spec["model"] = head
     llm = LLM(loaded_model=model, speculative_config=spec, max_num_batched_tokens=256,
@@ -102,6 +104,8 @@ def run_one(model: LlamaForCausalLM, method: str | None, prompts: list[str], k: 
     alpha = accepted / drafted if drafted else None
     return {
         "method": method or "off", "num_speculative_tokens": k if method else 0,
+        "draft_policy": policy if method else None,
+        "chosen_k": llm.get_metrics()["draft_policy"]["chosen_k"] if method else None,
         "head": (head or "trained") if is_head_method(method) else None,
         "output_tokens": tokens, "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 2),
@@ -112,6 +116,28 @@ def run_one(model: LlamaForCausalLM, method: str | None, prompts: list[str], k: 
         "theoretical_tokens_per_step": theoretical_tokens_per_step(alpha, k) if method else 1.0,
         "outputs": [o.outputs[0].token_ids for o in outs],
     }
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per workload, concurrency and method: goodput against speculation off and
+    against the best fixed K of the same run."""
+    out = []
+    keys = {(r["workload"], r["concurrency"], r["method"], r["head"]) for r in rows
+            if r["method"] != "off"}
+    for workload, conc, method, head in sorted(keys, key=str):
+        same = [r for r in rows if (r["workload"], r["concurrency"], r["method"],
+                                    r["head"]) == (workload, conc, method, head)]
+        fixed = {r["num_speculative_tokens"]: r["speedup_vs_off"] for r in same
+                 if r["draft_policy"] == "fixed"}
+        goodput = next((r["speedup_vs_off"] for r in same
+                        if r["draft_policy"] == "goodput"), None)
+        best_k = max(fixed, key=lambda k: fixed[k]) if fixed else None
+        out.append({"workload": workload, "concurrency": conc, "method": method,
+                    "head": head, "goodput_vs_off": goodput, "fixed_vs_off": fixed,
+                    "best_fixed_k": best_k,
+                    "goodput_vs_best_fixed": (round(goodput / fixed[best_k], 3)
+                                              if goodput and best_k is not None else None)})
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -125,17 +151,32 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--min-requests", type=int, default=None,
                         help="requests per run even at concurrency 1, one at a time "
                              "(default 8; --quick: 1)")
+    parser.add_argument("--policies", default="goodput,fixed",
+                        help="draft policies to run; fixed runs once per K in --k-grid")
+    parser.add_argument("--k-grid", default=None,
+                        help="K values for the fixed policy (default: -k only)")
+    parser.add_argument("--concurrency", default=None,
+                        help="comma-separated (default 1,16; --quick: 1,4)")
+    parser.add_argument("--dtype", default="float32",
+                        help="the model's dtype: float32, bfloat16 or auto")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     out_path = args.out or ROOT / "benchmarks" / "results" / (
         "spec_decode_quick.json" if args.quick else "spec_decode.json")
     methods = [m for m in args.methods.split(",") if m]
-    concurrencies = (1, 4) if args.quick else (1, 16)
+    concurrencies = (tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency
+                     else (1, 4) if args.quick else (1, 16))
+    policies = [p for p in args.policies.split(",") if p]
+    k_grid = [int(k) for k in args.k_grid.split(",")] if args.k_grid else [args.k]
+    runs = [(p, k) for p in policies for k in (k_grid if p == "fixed" else [args.k])]
     max_tokens = 8 if args.quick else 64
     min_requests = args.min_requests or (1 if args.quick else 8)
     torch.manual_seed(0)
     path = resolve_model(None)
-    model = load_model(path, torch.float32, torch.device("cpu"))
+    from runner.config import RunnerConfig
+
+    dtype = RunnerConfig(dtype=args.dtype).torch_dtype
+    model = load_model(path, dtype, torch.device("cpu"))
     rows = []
     workloads = {"grounded": GROUNDED, "open": OPEN, "held-out": instructions("eval")}
     for workload in args.workloads.split(","):
@@ -146,23 +187,25 @@ def main(argv: list[str] | None = None) -> dict:
             base = run_one(model, None, batch, args.k, max_tokens, concurrency=conc)
             rows.append({"workload": workload, "concurrency": conc, **base,
                          "speedup_vs_off": 1.0, "lossless": True})
-            for method in methods:
+            for method, (policy, k) in ((m, run) for m in methods for run in runs):
                 for head in head_variants(method, path, not args.no_random_heads):
-                    row = run_one(model, method, batch, args.k, max_tokens, head, conc)
+                    row = run_one(model, method, batch, k, max_tokens, head, conc, policy)
                     row.update(workload=workload, concurrency=conc, speedup_vs_off=round(
                         row["tokens_per_s"] / base["tokens_per_s"], 3),
                                lossless=row["outputs"] == base["outputs"])
                     rows.append(row)
-                    print(f"{workload:<9}{conc:>3}  {row['method']:<10}{row['head'] or '':<8}"
+                    print(f"{workload:<9}{conc:>3}  {row['method']:<10}{policy:<8}K={k} "
+                          f"{row['head'] or '':<8}"
                           f"{row['tokens_per_s']:>8.1f} tok/s  x{row['speedup_vs_off']:<6}"
                           f" accept={row['acceptance_per_pos_since_start']}"
                           f" len={row['mean_acceptance_length']} lossless={row['lossless']}",
                           flush=True)
     for row in rows:
         del row["outputs"]
-    report = {"benchmark": "spec_decode", "device": "cpu", "dtype": "float32",
+    report = {"benchmark": "spec_decode", "device": "cpu",
+              "dtype": str(dtype).removeprefix("torch."),
               "num_speculative_tokens": args.k, "max_tokens": max_tokens,
-              "quick": args.quick, "results": rows}
+              "quick": args.quick, "results": rows, "policy_summary": summarize(rows)}
     write_report(out_path, report)
     print(f"wrote {out_path}")
     return report

@@ -65,7 +65,12 @@ def test_spec_decode_quick(tmp_path: Path) -> None:
                                "--out", str(tmp_path / "s.json")])
     rows = report["results"]
     assert {r["method"] for r in rows} == {"off", "ngram", "draft_model"}
-    assert all(r["lossless"] for r in rows)
+    assert all(r["lossless"] for r in rows)  # every policy's output is speculation off's
+    assert {r["draft_policy"] for r in rows if r["method"] != "off"} == {"goodput", "fixed"}
+    summary = {(s["method"], s["concurrency"]): s for s in report["policy_summary"]}
+    assert set(summary) == {(m, c) for m in ("ngram", "draft_model") for c in (1, 4)}
+    for entry in summary.values():
+        assert entry["best_fixed_k"] == 4 and entry["goodput_vs_best_fixed"] > 0
     for row in rows:
         if row["method"] == "draft_model":  # the target drafting for itself
             assert row["acceptance_rate"] == 1.0
@@ -212,3 +217,12 @@ def test_decision_digest_is_deterministic_and_sees_a_change(tmp_path: Path) -> N
                                   str(tmp_path / f"d{i}.json")])
             for i, seed in enumerate((1, 1, 2))]
     assert runs[0]["digest"] == runs[1]["digest"] != runs[2]["digest"]
+
+
+def test_goodput_cost_quick(tmp_path: Path) -> None:
+    from benchmarks import goodput_cost
+
+    report = goodput_cost.main(["--quick", "--methods", "ngram", "--out",
+                                str(tmp_path / "g.json")])
+    (row,) = report["results"]
+    assert row["n_running"] == 16 and row["fixed_median_us"] > 0 and row["ratio"] > 0
