@@ -20,6 +20,7 @@ nothing, so it shows the cost of drafting inside the budget. A third workload,
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -118,6 +119,13 @@ def run_one(model: LlamaForCausalLM, method: str | None, prompts: list[str], k: 
     }
 
 
+def _median_row(runs: list[dict]) -> dict:
+    """The first run's record with the median tokens/s of all runs (and each run's)."""
+    rates = [r["tokens_per_s"] for r in runs]
+    return {**runs[0], "tokens_per_s": round(statistics.median(rates), 2),
+            "tokens_per_s_runs": rates}
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """Per workload, concurrency and method: goodput against speculation off and
     against the best fixed K of the same run."""
@@ -159,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="comma-separated (default 1,16; --quick: 1,4)")
     parser.add_argument("--dtype", default="float32",
                         help="the model's dtype: float32, bfloat16 or auto")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="round-robin passes over every configuration (medians)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     out_path = args.out or ROOT / "benchmarks" / "results" / (
@@ -184,22 +194,31 @@ def main(argv: list[str] | None = None) -> dict:
         for conc in concurrencies:
             # At least `min_requests` requests, at most `conc` running at once.
             batch = (prompts * conc)[:max(conc, min(min_requests, len(prompts)))]
-            base = run_one(model, None, batch, args.k, max_tokens, concurrency=conc)
-            rows.append({"workload": workload, "concurrency": conc, **base,
-                         "speedup_vs_off": 1.0, "lossless": True})
-            for method, (policy, k) in ((m, run) for m in methods for run in runs):
-                for head in head_variants(method, path, not args.no_random_heads):
-                    row = run_one(model, method, batch, k, max_tokens, head, conc, policy)
-                    row.update(workload=workload, concurrency=conc, speedup_vs_off=round(
-                        row["tokens_per_s"] / base["tokens_per_s"], 3),
-                               lossless=row["outputs"] == base["outputs"])
-                    rows.append(row)
-                    print(f"{workload:<9}{conc:>3}  {row['method']:<10}{policy:<8}K={k} "
-                          f"{row['head'] or '':<8}"
-                          f"{row['tokens_per_s']:>8.1f} tok/s  x{row['speedup_vs_off']:<6}"
-                          f" accept={row['acceptance_per_pos_since_start']}"
-                          f" len={row['mean_acceptance_length']} lossless={row['lossless']}",
-                          flush=True)
+            configs: list[tuple[str | None, str, int, str | None]] = [(None, "off", args.k,
+                                                                     None)]
+            configs += [(method, policy, k, head)
+                        for method in methods for policy, k in runs
+                        for head in head_variants(method, path, not args.no_random_heads)]
+            # Round-robin over the configurations, `--repeats` times: the machine's
+            # drift falls on every configuration alike; each figure is the median.
+            runs_of: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
+            for _ in range(args.repeats):
+                for i, (method, policy, k, head) in enumerate(configs):
+                    runs_of[i].append(run_one(model, method, batch, k, max_tokens, head,
+                                              conc, policy))
+            base = _median_row(runs_of[0])
+            for i, (_, policy, k, _head) in enumerate(configs):
+                row = base if i == 0 else _median_row(runs_of[i])
+                row.update(workload=workload, concurrency=conc, speedup_vs_off=round(
+                    row["tokens_per_s"] / base["tokens_per_s"], 3),
+                           lossless=all(r["outputs"] == base["outputs"] for r in runs_of[i]))
+                rows.append(row)
+                print(f"{workload:<9}{conc:>3}  {row['method']:<10}{policy:<8}K={k} "
+                      f"{row['head'] or '':<8}"
+                      f"{row['tokens_per_s']:>8.1f} tok/s  x{row['speedup_vs_off']:<6}"
+                      f" runs={row['tokens_per_s_runs']}"
+                      f" len={row['mean_acceptance_length']} lossless={row['lossless']}",
+                      flush=True)
     for row in rows:
         del row["outputs"]
     report = {"benchmark": "spec_decode", "device": "cpu",
