@@ -38,8 +38,8 @@ class RunningCounters:
     num_output: np.ndarray  # [num_reqs]
     max_tokens: np.ndarray  # [num_reqs]
     num_blocks: np.ndarray  # [num_reqs] KV blocks held
-    drafts_reached: np.ndarray  # [num_reqs] its drafts verified so far that were reached
-    drafts_accepted: np.ndarray  # [num_reqs] ... and accepted (the goodput policy reads)
+    verifications: np.ndarray  # [num_reqs] its verifications so far
+    first_accepted: np.ndarray  # [num_reqs] ... that accepted the first draft (goodput)
 
     @classmethod
     def gather(cls, requests: Sequence[Request],
@@ -49,7 +49,8 @@ class RunningCounters:
         flat = np.fromiter(chain.from_iterable(
             (r.num_computed_tokens, len(r.all_token_ids), len(r.spec_token_ids),
              len(r.output_token_ids), r.sampling_params.max_tokens,
-             len(req_blocks.get(r.request_id, ())), r.drafts_reached, r.drafts_accepted)
+             len(req_blocks.get(r.request_id, ())), r.num_verifications,
+             r.num_first_accepted)
             for r in requests),
             dtype=np.int64, count=_FIELDS * len(requests))
         return cls(*flat.reshape(len(requests), _FIELDS).T)

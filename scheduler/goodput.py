@@ -82,15 +82,19 @@ class AcceptanceEstimates:
         return ((self.accepted + s.prior_weight * s.prior_acceptance)
                 / (self.reached + s.prior_weight))
 
-    def request_rates(self, reached: np.ndarray, accepted: np.ndarray) -> np.ndarray:
-        """[N, K] per request: the position rates scaled by how the request's own
-        reached drafts fared against the mean, plus optimism for little history."""
+    def request_rates(self, verifications: np.ndarray, first_accepted: np.ndarray
+                      ) -> np.ndarray:
+        """[N, K] per request: the position rates scaled by how often the request's
+        first draft was accepted against the global first-draft rate (every
+        verification reaches the first draft, so a typical request scales by ~1),
+        plus optimism for little history."""
         s = self.settings
         rates = self.position_rates()
-        mean = float(rates.mean()) if len(rates) else 0.0
-        own = (accepted + s.request_weight * mean) / (reached + s.request_weight)
-        scale = own / mean if mean > 0 else np.ones_like(own)
-        bonus = s.explore / (1.0 + reached)
+        first = float(rates[0]) if len(rates) else 0.0
+        own = ((first_accepted + s.request_weight * first)
+               / (verifications + s.request_weight))
+        scale = own / first if first > 0 else np.ones_like(own, dtype=float)
+        bonus = s.explore / (1.0 + verifications)
         return np.clip(rates[None, :] * scale[:, None] + bonus[:, None], 0.0, 0.99)
 
 
@@ -174,15 +178,16 @@ class GoodputPolicy:
         self.time_model = time_model or StepTimeModel(kind, self.settings)
         self.new_request_cap = rule.max_k  # for requests admitted this step
 
-    def caps(self, reached: np.ndarray, accepted: np.ndarray,
+    def caps(self, verifications: np.ndarray, first_accepted: np.ndarray,
              rule_k: np.ndarray) -> np.ndarray:
-        """[N] the k cap of each running request (reached / accepted: its own counts of
-        reached and accepted drafts; rule_k: the k the rule allows it now). Also sets
+        """[N] the k cap of each running request (its verifications so far and how many
+        accepted their first draft; rule_k: the k the rule allows it now). Also sets
         `new_request_cap`, the cap of a request with no history in this batch."""
         num = len(rule_k)
         fresh = np.zeros(1)
         gains = np.cumprod(self.acceptance.request_rates(
-            np.concatenate([reached, fresh]), np.concatenate([accepted, fresh])), axis=1)
+            np.concatenate([verifications, fresh]),
+            np.concatenate([first_accepted, fresh])), axis=1)
         limit = np.concatenate([rule_k, [self.max_k]])
         gains[np.arange(self.max_k)[None, :] >= limit[:, None]] = 0.0
         threshold = self._threshold(gains[:num], max(num, 1))

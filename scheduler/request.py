@@ -137,10 +137,11 @@ class Request:
         # In a step that failed, alongside others: it runs as the only suspect of its
         # steps until it samples once, so a fault it causes again is traced to it.
         self.suspect = False
-        # Its drafts verified so far: those reached (every draft before them accepted)
-        # and those accepted; the goodput draft policy reads them.
-        self.drafts_reached = 0
-        self.drafts_accepted = 0
+        # Its verifications so far, and how many accepted their first draft: the
+        # goodput draft policy compares the latter with the global first-draft rate
+        # (every verification reaches the first draft, so the comparison is unbiased).
+        self.num_verifications = 0
+        self.num_first_accepted = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -220,7 +220,7 @@ class Scheduler:
         c = counters
         s = c.num_spec  # verified next if the whole chunk fits (the bulk plan's case)
         rule_k = self.rule.k(c.num_tokens, c.num_output, c.max_tokens, s)
-        return self.policy.caps(c.drafts_reached, c.drafts_accepted, rule_k)
+        return self.policy.caps(c.verifications, c.first_accepted, rule_k)
 
     def _num_blocks(self, request: Request) -> int:
         return len(self.kv.req_blocks.get(request.request_id, ()))
@@ -422,8 +422,8 @@ class Scheduler:
                 verified = len(spec) if spec else 0
                 accepted = count_accepted(request, sampled, verified)
                 request.num_computed_tokens -= verified - accepted
-                request.drafts_reached += min(accepted + 1, verified)
-                request.drafts_accepted += accepted
+                request.num_verifications += 1
+                request.num_first_accepted += accepted > 0
                 verified_counts.append(verified)
                 accepted_counts.append(accepted)
             num_before = len(request.output_token_ids)
