@@ -3,6 +3,8 @@ shares the call, and a kernel that is not falls back."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,25 +55,46 @@ def test_onednn_packed_rows_do_not_depend_on_the_call() -> None:
         assert torch.equal(packed.add(x[:rows], residual[:rows]), wide_add[:rows])
 
 
-class _RowCountLeaks(LinearKernel):
-    """Broken on purpose: a row's result moves by one ulp with the number of rows."""
+class _Perturbed(LinearKernel):
+    """Broken on purpose: `F.linear` whose output `perturb(out)` moves by one ulp in
+    some rows, depending on the call."""
 
-    name = "leaky"
+    def __init__(self, name: str, perturb: Callable[[torch.Tensor], None]) -> None:
+        self.name, self.perturb = name, perturb
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
-        inner = TorchLinear().pack(weight, bias)
+        inner, perturb = TorchLinear().pack(weight, bias), self.perturb
 
         class Leaky(PackedLinear):
             out_features = inner.out_features
 
             def __call__(self, x: torch.Tensor) -> torch.Tensor:
                 out = inner(x)
-                return torch.nextafter(out, out + 1) if x.shape[0] % 2 else out
+                perturb(out)
+                return out
 
             def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
                 return residual + self(x)
 
         return Leaky()
+
+
+def _odd_calls(out: torch.Tensor) -> None:
+    """A call with an odd number of rows moves every row."""
+    if out.shape[0] % 2:
+        out.copy_(torch.nextafter(out, out + 1))
+
+
+def _row_four(out: torch.Tensor) -> None:
+    """Row 4 of a call of more than 4 rows moves (what oneDNN did here to the MLP's
+    1536-wide reduction): every prefix of a wide call agrees with the wide call, so
+    only a row alone against its place in the call shows it."""
+    if out.shape[0] > 4:
+        out[4] = torch.nextafter(out[4], out[4] + 1)
+
+
+def _RowCountLeaks() -> LinearKernel:
+    return _Perturbed("leaky", _odd_calls)
 
 
 def test_the_probe_catches_a_kernel_whose_rows_depend_on_the_call(
@@ -89,34 +112,9 @@ def test_the_probe_catches_a_kernel_whose_rows_depend_on_the_call(
     assert "NOT row-invariant" in choice.description
 
 
-class _IndexLeaks(LinearKernel):
-    """Broken on purpose: a row at index 4 of a call of more than 4 rows gets other
-    bits (what oneDNN did here to the MLP's 1536-wide reduction): every prefix of a
-    wide call agrees with the wide call, so only a row alone against its place in the
-    call shows it."""
-
-    name = "index-leaks"
-
-    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
-        inner = TorchLinear().pack(weight, bias)
-
-        class Leaky(PackedLinear):
-            out_features = inner.out_features
-
-            def __call__(self, x: torch.Tensor) -> torch.Tensor:
-                out = inner(x)
-                if x.shape[0] > 4:
-                    out[4] = torch.nextafter(out[4], out[4] + 1)
-                return out
-
-            def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-                return residual + self(x)
-
-        return Leaky()
-
-
 def test_the_probe_catches_a_row_whose_bits_depend_on_its_index() -> None:
-    assert not is_row_invariant(_IndexLeaks(), torch.float32, in_features=64)
+    assert not is_row_invariant(_Perturbed("index-leaks", _row_four), torch.float32,
+                                in_features=64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
