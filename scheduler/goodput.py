@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from scheduler.budget import ThrottleRule
+from scheduler.stats import add_reaching
 
 # Where the hinges of the step-time model sit (rows of one pass).
 KNOTS = (64, 256)
@@ -72,9 +73,8 @@ class AcceptanceEstimates:
             return
         v, a = np.asarray(verified), np.asarray(accepted)
         width = len(self.reached)
-        reach = np.minimum(a + 1, v)
-        self.reached += _reaching(reach, width)
-        self.accepted += _reaching(a, width)
+        self.reached += add_reaching([0] * width, np.minimum(a + 1, v), width)
+        self.accepted += add_reaching([0] * width, a, width)
 
     def position_rates(self) -> np.ndarray:
         """[K] acceptance of a reached draft at each position, smoothed by the prior."""
@@ -96,12 +96,6 @@ class AcceptanceEstimates:
         scale = own / first if first > 0 else np.ones_like(own, dtype=float)
         bonus = s.explore / (1.0 + verifications)
         return np.clip(rates[None, :] * scale[:, None] + bonus[:, None], 0.0, 0.99)
-
-
-def _reaching(counts: np.ndarray, width: int) -> np.ndarray:
-    """[width]: how many of `counts` exceed each position (counts [1, 3] -> [2, 1, 1])."""
-    hist = np.bincount(np.minimum(counts, width), minlength=width + 1)
-    return np.cumsum(hist[::-1])[::-1][1:width + 1].astype(float)
 
 
 class StepTimeModel:

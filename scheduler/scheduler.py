@@ -62,6 +62,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self._predicted_seconds: float | None = None  # of the step last planned
+        self._step_record: StepRecord | None = None  # built on the first step
         self._finished_since_last_step: set[str] = set()
 
     # ---- requests in and out -------------------------------------------------
@@ -156,7 +157,7 @@ class Scheduler:
 
     def _record(self) -> StepRecord:
         """The step record, reset; built again only if the rule was swapped."""
-        record = getattr(self, "_step_record", None)
+        record = self._step_record
         if record is None or record.rule is not self.rule:
             record = StepRecord(self.rule, self.config.max_num_batched_tokens,
                                 self.config.max_num_seqs)

@@ -44,8 +44,8 @@ class SpecDecodingStats:
         self.num_draft_tokens += int(v.sum())
         self.num_accepted_tokens += int(a.sum())
         width = max(int(v.max()), len(self.num_draft_tokens_per_pos))
-        self.num_draft_tokens_per_pos = _add_reaching(self.num_draft_tokens_per_pos, v, width)
-        self.num_accepted_tokens_per_pos = _add_reaching(self.num_accepted_tokens_per_pos, a,
+        self.num_draft_tokens_per_pos = add_reaching(self.num_draft_tokens_per_pos, v, width)
+        self.num_accepted_tokens_per_pos = add_reaching(self.num_accepted_tokens_per_pos, a,
                                                          width)
 
     @property
@@ -75,7 +75,7 @@ class SpecDecodingStats:
         }
 
 
-def _add_reaching(per_pos: list[int], counts: np.ndarray, width: int) -> list[int]:
+def add_reaching(per_pos: list[int], counts: np.ndarray, width: int) -> list[int]:
     """per_pos[i] + how many of `counts` exceed i, for i < width.
 
     # counts [1, 3, 3], width 3: bincount [0, 1, 0, 2] -> from the top [3, 3, 2, 2]
