@@ -219,6 +219,19 @@ def test_decision_digest_is_deterministic_and_sees_a_change(tmp_path: Path) -> N
     assert runs[0]["digest"] == runs[1]["digest"] != runs[2]["digest"]
 
 
+def test_decision_digest_sees_a_changed_decision(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduler that decides otherwise (prefill chunks capped at 8 tokens, still
+    valid) gives another digest for the same seed."""
+    from benchmarks import decision_digest
+    from scheduler.scheduler import Scheduler
+
+    args = ["--cases", "4", "--out", str(tmp_path / "d.json")]
+    before = decision_digest.main(args)["digest"]
+    monkeypatch.setattr(Scheduler, "_max_chunk", lambda self, pending: min(pending, 8))
+    assert decision_digest.main(args)["digest"] != before
+
+
 def test_goodput_cost_quick(tmp_path: Path) -> None:
     from benchmarks import goodput_cost
 
