@@ -65,7 +65,10 @@ def make_scheduler(method: str | None, num_reqs: int, num_steps: int,
     budget = max(8192, num_reqs * (1 + NUM_SPEC))
     # Each step adds at most 1 + K tokens plus K lookahead slots per request.
     tokens = PROMPT_LEN + (num_steps + 1) * (1 + NUM_SPEC) + NUM_SPEC
-    num_blocks = num_reqs * (tokens // BLOCK_SIZE + 2)
+    # The scheduler refuses a request whose max_tokens could not fit the pool: at small
+    # N the pool holds at least one whole request.
+    num_blocks = max(num_reqs * (tokens // BLOCK_SIZE + 2),
+                     (PROMPT_LEN + MAX_TOKENS + NUM_SPEC) // BLOCK_SIZE + 2)
     # "fixed" by default: every request drafts K, the cost this benchmark has always
     # measured (benchmarks/goodput_cost.py compares the goodput policy against it).
     spec = SpeculativeConfig(method, NUM_SPEC, draft_policy=draft_policy) if method else None

@@ -21,11 +21,12 @@ from itertools import chain
 import numpy as np
 
 from scheduler.kv_cache_manager import KVCacheBlock, cdiv
-from scheduler.request import Request
+from scheduler.request import NUM_OUTCOMES, Request
 from scheduler.step_record import StepRecord
 
-# Counters gathered per running request, in this order (`RunningCounters.gather`).
-_FIELDS = 8
+# Counters gathered per running request (`RunningCounters.gather`): eight, then the
+# verifications per state.
+_FIELDS = 8 + NUM_OUTCOMES
 
 
 @dataclass(frozen=True)
@@ -38,22 +39,26 @@ class RunningCounters:
     num_output: np.ndarray  # [num_reqs]
     max_tokens: np.ndarray  # [num_reqs]
     num_blocks: np.ndarray  # [num_reqs] KV blocks held
-    verifications: np.ndarray  # [num_reqs] its verifications so far
-    first_accepted: np.ndarray  # [num_reqs] ... that accepted the first draft (goodput)
+    # For the goodput policy:
+    first_accepted: np.ndarray  # [num_reqs] verifications that accepted the first draft
+    last_outcome: np.ndarray  # [num_reqs] the state its last verification left
+    verifications: np.ndarray  # [num_reqs, NUM_OUTCOMES] so far, per state it was in
 
     @classmethod
     def gather(cls, requests: Sequence[Request],
                req_blocks: dict[str, list[KVCacheBlock]]) -> RunningCounters:
         # One flat pass over the requests (one fromiter, no per-request arrays); the
-        # reshape turns [c0, t0, s0, o0, m0, b0, r0, a0, c1, ...] into one row each.
+        # reshape turns [c0, t0, s0, o0, m0, b0, a0, l0, v0..., c1, ...] into one row each.
         flat = np.fromiter(chain.from_iterable(
             (r.num_computed_tokens, len(r.all_token_ids), len(r.spec_token_ids),
              len(r.output_token_ids), r.sampling_params.max_tokens,
-             len(req_blocks.get(r.request_id, ())), r.num_verifications,
-             r.num_first_accepted)
+             len(req_blocks.get(r.request_id, ())), r.num_first_accepted, r.last_outcome,
+             *r.verifications_by_state)
             for r in requests),
             dtype=np.int64, count=_FIELDS * len(requests))
-        return cls(*flat.reshape(len(requests), _FIELDS).T)
+        rows = flat.reshape(len(requests), _FIELDS)
+        c, t, s, o, m, b, a, last = rows[:, :8].T
+        return cls(c, t, s, o, m, b, a, last, rows[:, 8:])
 
 
 def plan_bulk(record: StepRecord, requests: Sequence[Request], counters: RunningCounters,

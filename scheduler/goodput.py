@@ -4,14 +4,17 @@ that maximises the step's expected output tokens per second.
 Two online estimates, both owned here and both injectable (tests seed them):
 
 - `AcceptanceEstimates`: per draft position i, how often a draft that is reached (all
-  drafts before it accepted) is accepted, counted with decay so the estimate follows a
-  changing workload; each request's own history shifts it (a request that keeps
-  rejecting stops drafting, one that accepts everything drafts the most), and a request
-  with little history gets a little optimism, so the estimates keep learning.
+  drafts before it accepted) is accepted, kept per state the request's last
+  verification left (all accepted, some, none, no verification yet: drafts come in
+  runs, so that state predicts best), counted with decay so the estimate follows a
+  changing workload. Each request's own record scales it (its first-draft acceptances
+  over what its states predicted: a request that keeps rejecting stops drafting, one
+  that accepts everything drafts the most), and a request with little history gets a
+  little optimism, so the estimates keep learning.
 - `StepTimeModel`: the seconds of a step as a function of its target rows and drafter
-  rows (affine, with hinges where the forward turns compute-bound), fitted by
-  recursive least squares from the step times the runner reports, starting from a
-  prior by drafter kind.
+  rows (affine, with hinges where the forward turns compute-bound), fitted as a ridge
+  regression toward a prior by drafter kind on the step times the runner reports,
+  older steps weighing less.
 
 `GoodputPolicy.caps` turns them into a cap on k per running request: in steady state a
 request proposing k drafts puts 1 + k rows in the target pass and the method's rows in
@@ -29,19 +32,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from scheduler.budget import ThrottleRule
-from scheduler.stats import add_reaching
+from scheduler.request import FRESH, NUM_OUTCOMES
 
-# Where the hinges of the step-time model sit (rows of one pass).
-KNOTS = (64, 256)
+# Where the hinges of the step-time model sit (rows of one pass). The first is where a
+# pass stops being bound by reading the weights: below it a row costs next to nothing
+# (bfloat16 here: five rows 1.06x one), past it every row costs compute.
+KNOTS = (16, 64, 256)
 STEP_NOISE = 1e-3  # seconds: the scatter of one step's measured time, roughly
 # Prior step-time parameters (seconds) by drafter kind: constant, per target row and per
 # row past each knot, then a drafter's constant (paid when it runs), per row and past
 # each knot. Rough CPU figures for the default model; the fit replaces them within a
 # few dozen steps wherever the rows vary.
-_TARGET_PRIOR = (0.02, 0.0003, 0.0005, 0.0005)
-_DRAFTER_PRIOR = {"lookup": (0.0, 0.0, 0.0, 0.0),
-                  "head": (0.002, 0.00002, 0.00003, 0.00003),
-                  "lm": (0.02, 0.0003, 0.0005, 0.0005)}
+_TARGET_PRIOR = (0.02, 0.0001, 0.0004, 0.0003, 0.0)
+_DRAFTER_PRIOR = {"lookup": (0.0,) * 5,
+                  "head": (0.002, 0.00001, 0.00002, 0.00002, 0.0),
+                  "lm": _TARGET_PRIOR}
 
 
 @dataclass(frozen=True)
@@ -51,66 +56,101 @@ class GoodputSettings:
     prior_acceptance: float = 0.5  # per reached draft, before any verification
     prior_weight: float = 8.0  # pseudo-observations behind that prior
     request_weight: float = 4.0  # a request's own history counts after this many
-    decay: float = 0.99  # per step, of the global counts
+    # Of the global counts, per verification recorded (not per step: at one request a
+    # step verifies at most once, at 64 sixty-four times; the window is ~1,000 either way).
+    decay: float = 0.999
     explore: float = 0.2  # optimism for a request with no history, ~ 1 / (1 + seen)
-    forgetting: float = 0.98  # of the step-time fit, per observed step
+    forgetting: float = 0.995  # of the step-time fit's data, per observed step
+
+
+def reaching_by_state(counts: np.ndarray, states: np.ndarray, width: int) -> np.ndarray:
+    """[NUM_OUTCOMES, width]: per state, how many of `counts` (those of that state)
+    exceed i, for i < width (`stats.reaching`, one histogram for every state)."""
+    span = width + 1
+    hist = np.bincount(states * span + np.minimum(counts, width),
+                       minlength=NUM_OUTCOMES * span).reshape(NUM_OUTCOMES, span)
+    return np.cumsum(hist[:, ::-1], axis=1)[:, ::-1][:, 1:]
 
 
 class AcceptanceEstimates:
-    """Acceptance of a reached draft, per position (global) and per request."""
+    """Acceptance of a reached draft, per position and per state of the request's last
+    verification (each state's rates shrunk toward the pooled ones, those toward the
+    prior), and per request."""
 
     def __init__(self, max_k: int, settings: GoodputSettings) -> None:
         self.settings = settings
-        self.accepted = np.zeros(max_k)  # decayed counts per position
-        self.reached = np.zeros(max_k)
+        self.accepted = np.zeros((NUM_OUTCOMES, max_k))  # decayed counts per position
+        self.reached = np.zeros((NUM_OUTCOMES, max_k))
 
-    def record(self, verified: list[int], accepted: list[int]) -> None:
-        """One step's verifications (drafts verified, accepted), each verified >= 1.
-        Position i was reached if i <= accepted (and i < verified)."""
-        self.accepted *= self.settings.decay
-        self.reached *= self.settings.decay
+    def record(self, verified: list[int], accepted: list[int],
+               states: list[int] | None = None) -> None:
+        """One step's verifications (drafts verified, accepted), each verified >= 1, and
+        the state each request was in before it (FRESH if not given). Position i was
+        reached if i <= accepted (and i < verified)."""
         if not verified:
             return
+        fade = self.settings.decay ** len(verified)
+        self.accepted *= fade
+        self.reached *= fade
         v, a = np.asarray(verified), np.asarray(accepted)
-        width = len(self.reached)
-        self.reached += add_reaching([0] * width, np.minimum(a + 1, v), width)
-        self.accepted += add_reaching([0] * width, a, width)
+        s = np.asarray(states) if states is not None else np.zeros(len(v), dtype=np.int64)
+        width = self.reached.shape[1]
+        self.reached += reaching_by_state(np.minimum(a + 1, v), s, width)
+        self.accepted += reaching_by_state(a, s, width)
+
+    def pooled_rates(self) -> np.ndarray:
+        """[K] acceptance of a reached draft at each position, all states together,
+        smoothed by the prior."""
+        s = self.settings
+        return ((self.accepted.sum(axis=0) + s.prior_weight * s.prior_acceptance)
+                / (self.reached.sum(axis=0) + s.prior_weight))
 
     def position_rates(self) -> np.ndarray:
-        """[K] acceptance of a reached draft at each position, smoothed by the prior."""
-        s = self.settings
-        return ((self.accepted + s.prior_weight * s.prior_acceptance)
-                / (self.reached + s.prior_weight))
+        """[NUM_OUTCOMES, K] per state of the last verification, shrunk toward the pooled
+        rates (a state seen rarely says little)."""
+        weight = self.settings.prior_weight
+        return (self.accepted + weight * self.pooled_rates()) / (self.reached + weight)
 
-    def request_rates(self, verifications: np.ndarray, first_accepted: np.ndarray
-                      ) -> np.ndarray:
-        """[N, K] per request: the position rates scaled by how often the request's
-        first draft was accepted against the global first-draft rate (every
-        verification reaches the first draft, so a typical request scales by ~1),
-        plus optimism for little history."""
+    def request_rates(self, verifications: np.ndarray, first_accepted: np.ndarray,
+                      states: np.ndarray) -> np.ndarray:
+        """[N, K] per request: the position rates of the state its last verification
+        left, scaled by its first-draft acceptances over what its states predicted
+        (`verifications` [N, NUM_OUTCOMES]: its verifications per state it was in; every
+        verification reaches the first draft, so the ratio is fair), shrunk toward 1 by
+        `request_weight` pseudo-verifications; plus optimism for little history."""
         s = self.settings
         rates = self.position_rates()
-        first = float(rates[0]) if len(rates) else 0.0
-        own = ((first_accepted + s.request_weight * first)
-               / (verifications + s.request_weight))
-        scale = own / first if first > 0 else np.ones_like(own, dtype=float)
-        bonus = s.explore / (1.0 + verifications)
-        return np.clip(rates[None, :] * scale[:, None] + bonus[:, None], 0.0, 0.99)
+        first = float(self.pooled_rates()[0]) if rates.shape[1] else 0.0
+        pseudo = s.request_weight * first
+        expected = verifications @ rates[:, 0] if rates.shape[1] else 0.0
+        scale = (first_accepted + pseudo) / (expected + pseudo) if first > 0 else 1.0
+        bonus = s.explore / (1.0 + verifications.sum(axis=1))
+        return np.clip(rates[states] * np.reshape(scale, (-1, 1)) + bonus[:, None], 0.0, 0.99)
 
 
 class StepTimeModel:
     """Seconds of a step from its target rows t and drafter rows d (all drafter passes
     and one-row steps together): a constant, t, (t - knot)+, and for a step that drafts
-    a constant, d, (d - knot)+; fitted online by recursive least squares with
-    forgetting, from the prior for the method's drafter kind."""
+    a constant, d, (d - knot)+.
+
+    Fitted as a ridge regression toward the prior for the method's drafter kind, on the
+    observed steps weighted by `forgetting` per step since. Only the data is forgotten,
+    never the prior: recursive least squares with forgetting lets the variance of a
+    direction no step excites grow without bound (a decode-only stretch never moves the
+    rows past a knot), and the next prefill then swings that slope on one noisy step."""
 
     def __init__(self, drafter_kind: str | None, settings: GoodputSettings) -> None:
         drafter = _DRAFTER_PRIOR.get(drafter_kind or "lookup", _DRAFTER_PRIOR["lm"])
-        self.theta = np.array(_TARGET_PRIOR + drafter, dtype=float)
-        # Prior variance: each parameter may be off by about its own size (a floor keeps
-        # a zero prior learnable), in units of the noise on one step's time (about a
-        # millisecond here), which is what recursive least squares weighs it against.
-        self.cov = np.diag(np.maximum(self.theta, 1e-4) ** 2 * 4.0) / STEP_NOISE ** 2
+        self.prior = np.array(_TARGET_PRIOR + drafter, dtype=float)
+        # Each parameter may be off by about twice its own size, and by at least the
+        # noise on one step's time: the prior weighs at most one step's observation, so
+        # it only holds a direction no step has excited (a knot decode never passes).
+        spread = np.maximum(2.0 * self.prior, STEP_NOISE)
+        self.prior_precision = np.diag((STEP_NOISE / spread) ** 2)
+        self._prior_moment = self.prior_precision @ self.prior
+        self.gram = np.zeros((len(self.prior), len(self.prior)))  # decayed sum of x x'
+        self.moment = np.zeros(len(self.prior))  # decayed sum of x * seconds
+        self.theta = self.prior.copy()
         self.forgetting = settings.forgetting
         self.num_observed = 0
 
@@ -121,17 +161,29 @@ class StepTimeModel:
                 (d > 0).astype(float), d, *(np.maximum(d - knot, 0.0) for knot in KNOTS)]
         return np.stack(cols, axis=-1)
 
+    @staticmethod
+    def features_one(target: int, drafter: int) -> np.ndarray:
+        """`features` of one step, without numpy's per-call cost on ten tiny columns."""
+        return np.array([1.0, target, *(max(target - knot, 0) for knot in KNOTS),
+                         float(drafter > 0), drafter,
+                         *(max(drafter - knot, 0) for knot in KNOTS)], dtype=float)
+
     def predict(self, target: np.ndarray | int, drafter: np.ndarray | int) -> np.ndarray:
         """Seconds (>= 1 microsecond) for each (target, drafter) row count."""
         return np.maximum(self.features(np.asarray(target), np.asarray(drafter)) @ self.theta,
                           1e-6)
 
+    def predict_one(self, target: int, drafter: int) -> float:
+        return max(float(self.features_one(target, drafter) @ self.theta), 1e-6)
+
     def observe(self, target: int, drafter: int, seconds: float) -> None:
-        x = self.features(np.asarray(target), np.asarray(drafter))
-        px = self.cov @ x
-        gain = px / (self.forgetting + x @ px)
-        self.theta = self.theta + gain * (seconds - x @ self.theta)
-        self.cov = (self.cov - np.outer(gain, px)) / self.forgetting
+        x = self.features_one(target, drafter)
+        self.gram *= self.forgetting
+        self.gram += np.outer(x, x)
+        self.moment *= self.forgetting
+        self.moment += x * seconds
+        self.theta = np.linalg.solve(self.prior_precision + self.gram,
+                                     self._prior_moment + self.moment)
         self.num_observed += 1
 
 
@@ -173,15 +225,17 @@ class GoodputPolicy:
         self.new_request_cap = rule.max_k  # for requests admitted this step
 
     def caps(self, verifications: np.ndarray, first_accepted: np.ndarray,
-             rule_k: np.ndarray) -> np.ndarray:
-        """[N] the k cap of each running request (its verifications so far and how many
-        accepted their first draft; rule_k: the k the rule allows it now). Also sets
-        `new_request_cap`, the cap of a request with no history in this batch."""
+             states: np.ndarray, rule_k: np.ndarray) -> np.ndarray:
+        """[N] the k cap of each running request (its verifications so far per state it
+        was in [N, NUM_OUTCOMES], how many accepted their first draft, the state its last
+        one left; rule_k: the k the rule allows it now). Also sets `new_request_cap`,
+        the cap of a request with no history in this batch."""
         num = len(rule_k)
-        fresh = np.zeros(1)
+        fresh = np.zeros(1, dtype=np.int64)
         gains = np.cumprod(self.acceptance.request_rates(
-            np.concatenate([verifications, fresh]),
-            np.concatenate([first_accepted, fresh])), axis=1)
+            np.concatenate([verifications, np.zeros((1, NUM_OUTCOMES), dtype=np.int64)]),
+            np.concatenate([first_accepted, fresh]),
+            np.concatenate([states, fresh + FRESH])), axis=1)
         limit = np.concatenate([rule_k, [self.max_k]])
         gains[np.arange(self.max_k)[None, :] >= limit[:, None]] = 0.0
         threshold = self._threshold(gains[:num], max(num, 1))
@@ -212,9 +266,10 @@ class GoodputPolicy:
         best = int(np.argmax(rate))
         return float(g[best - 1]) if best > 0 else np.inf
 
-    def observe_step(self, verified: list[int], accepted: list[int], target_rows: int,
-                     drafter_rows: int, seconds: float | None) -> None:
-        """What a step's results teach: its verifications, and its time if measured."""
-        self.acceptance.record(verified, accepted)
+    def observe_step(self, verified: list[int], accepted: list[int], states: list[int],
+                     target_rows: int, drafter_rows: int, seconds: float | None) -> None:
+        """What a step's results teach: its verifications (with the state each request
+        was in), and its time if measured."""
+        self.acceptance.record(verified, accepted, states)
         if seconds is not None:
             self.time_model.observe(target_rows, drafter_rows, seconds)

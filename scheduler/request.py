@@ -7,6 +7,21 @@ import math
 import time
 from dataclasses import dataclass
 
+# The state a request's last verification left: drafts come in runs (a lookup drafter
+# copying a span accepts nearly every draft until the span ends), so it predicts the
+# next acceptance best. Measured on held-out chat at K = 4, ngram's first draft was
+# accepted 0.87 of the time after a fully accepted verification, 0.20 after a fully
+# rejected one. The goodput draft policy keeps its acceptance estimates per state.
+FRESH, ALL_ACCEPTED, SOME_ACCEPTED, NONE_ACCEPTED = range(4)
+NUM_OUTCOMES = 4
+
+
+def outcome(verified: int, accepted: int) -> int:
+    """The state a verification of `verified` >= 1 drafts, `accepted` of them, leaves."""
+    if accepted >= verified:
+        return ALL_ACCEPTED
+    return SOME_ACCEPTED if accepted else NONE_ACCEPTED
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -137,11 +152,24 @@ class Request:
         # In a step that failed, alongside others: it runs as the only suspect of its
         # steps until it samples once, so a fault it causes again is traced to it.
         self.suspect = False
-        # Its verifications so far, and how many accepted their first draft: the
-        # goodput draft policy compares the latter with the global first-draft rate
-        # (every verification reaches the first draft, so the comparison is unbiased).
-        self.num_verifications = 0
+        # For the goodput draft policy: its verifications so far, per state it was in
+        # when verified, how many accepted their first draft, and the state the last one
+        # left. The policy compares its first-draft acceptances with what its states
+        # predict (every verification reaches the first draft: the comparison is fair).
+        self.verifications_by_state = [0] * NUM_OUTCOMES
         self.num_first_accepted = 0
+        self.last_outcome = FRESH
+
+    def record_verification(self, verified: int, accepted: int) -> None:
+        """`verified` drafts checked by the target, the first `accepted` of them right."""
+        self.verifications_by_state[self.last_outcome] += 1
+        self.num_first_accepted += accepted > 0
+        if verified:
+            self.last_outcome = outcome(verified, accepted)
+
+    @property
+    def num_verifications(self) -> int:
+        return sum(self.verifications_by_state)
 
     @property
     def num_prompt_tokens(self) -> int:

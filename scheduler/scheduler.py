@@ -24,7 +24,7 @@ from scheduler.outputs import (
     SchedulerOutput,
     check_runner_output,
 )
-from scheduler.request import Request, RequestStatus
+from scheduler.request import NUM_OUTCOMES, Request, RequestStatus
 from scheduler.request_queue import make_queue
 from scheduler.stats import SchedulerStats
 from scheduler.step_output import build_output
@@ -216,12 +216,13 @@ class Scheduler:
         if self.policy is None:
             return None
         if counters is None:  # nothing running: only the cap of a fresh request matters
-            self.policy.caps(*(np.zeros(0, dtype=np.int64),) * 3)
+            empty = np.zeros(0, dtype=np.int64)
+            self.policy.caps(np.zeros((0, NUM_OUTCOMES), dtype=np.int64), empty, empty, empty)
             return None
         c = counters
         s = c.num_spec  # verified next if the whole chunk fits (the bulk plan's case)
         rule_k = self.rule.k(c.num_tokens, c.num_output, c.max_tokens, s)
-        return self.policy.caps(c.verifications, c.first_accepted, rule_k)
+        return self.policy.caps(c.verifications, c.first_accepted, c.last_outcome, rule_k)
 
     def _num_blocks(self, request: Request) -> int:
         return len(self.kv.req_blocks.get(request.request_id, ()))
@@ -356,14 +357,15 @@ class Scheduler:
                                  record.num_computed[live][:num_running].tolist())
 
     def _teach_policy(self, out: SchedulerOutput, result: ModelRunnerOutput,
-                      verified: list[int], accepted: list[int]) -> None:
+                      verified: list[int], accepted: list[int], states: list[int]) -> None:
         """The goodput policy learns from each step: its verifications, and its time
         against the rows the runner built (as charged, if it reported none)."""
         assert self.policy is not None
         rows = result.pass_rows or out.pass_rows
         target = rows.get("target", 0)
         drafter = sum(rows.values()) - target
-        self.policy.observe_step(verified, accepted, target, drafter, result.step_seconds)
+        self.policy.observe_step(verified, accepted, states, target, drafter,
+                                 result.step_seconds)
         if result.step_seconds is not None and self._predicted_seconds is not None:
             self.stats.goodput.record_time(self._predicted_seconds, result.step_seconds)
 
@@ -377,8 +379,8 @@ class Scheduler:
         drafter = sum(output.pass_rows.values()) - output.total_num_scheduled_tokens
         if self.method is not None and self.method.sequential:
             drafter += int(np.maximum(k - 1, 0).sum())
-        self._predicted_seconds = float(self.policy.time_model.predict(
-            output.total_num_scheduled_tokens, drafter))
+        self._predicted_seconds = self.policy.time_model.predict_one(
+            output.total_num_scheduled_tokens, drafter)
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
@@ -412,6 +414,7 @@ class Scheduler:
         finished = False
         verified_counts: list[int] = []
         accepted_counts: list[int] = []
+        states: list[int] = []  # each verifying request's state before it (goodput)
         for rid, sampled in in_schedule_order(scheduler_output, runner_output):
             request = requests.get(rid)
             if request is None:
@@ -423,10 +426,10 @@ class Scheduler:
                 verified = len(spec) if spec else 0
                 accepted = count_accepted(request, sampled, verified)
                 request.num_computed_tokens -= verified - accepted
-                request.num_verifications += 1
-                request.num_first_accepted += accepted > 0
                 verified_counts.append(verified)
                 accepted_counts.append(accepted)
+                states.append(request.last_outcome)
+                request.record_verification(verified, accepted)
             num_before = len(request.output_token_ids)
             status = append_tokens(request, sampled, max_model_len)
             if status is None:
@@ -450,7 +453,7 @@ class Scheduler:
         self.stats.spec.record_many(verified_counts, accepted_counts)
         if self.policy is not None:
             self._teach_policy(scheduler_output, runner_output, verified_counts,
-                               accepted_counts)
+                               accepted_counts, states)
         if finished:  # (running requests left unscheduled this step stay as they are)
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -75,15 +76,25 @@ class SpecDecodingStats:
         }
 
 
-def add_reaching(per_pos: list[int], counts: np.ndarray, width: int) -> list[int]:
-    """per_pos[i] + how many of `counts` exceed i, for i < width.
+def reaching(counts: np.ndarray, width: int) -> np.ndarray:
+    """[width]: how many of `counts` exceed i, for i < width.
 
     # counts [1, 3, 3], width 3: bincount [0, 1, 0, 2] -> from the top [3, 3, 2, 2]
     # -> positions 0, 1, 2 reached by [3, 2, 2]
     """
-    reaching = np.cumsum(np.bincount(counts, minlength=width + 1)[::-1])[::-1][1:width + 1]
-    return (np.pad(np.asarray(per_pos, dtype=np.int64), (0, width - len(per_pos)))
-            + reaching).tolist()
+    return np.cumsum(np.bincount(counts, minlength=width + 1)[::-1])[::-1][1:width + 1]
+
+
+def add_counts(per_pos: list[int], counts: list[int]) -> list[int]:
+    """Element-wise sum of two count lists, the shorter one padded with zeros (lists,
+    not arrays: called every step on a few entries, where numpy's padding costs more
+    than the sum)."""
+    return [a + b for a, b in zip_longest(per_pos, counts, fillvalue=0)]
+
+
+def add_reaching(per_pos: list[int], counts: np.ndarray, width: int) -> list[int]:
+    """per_pos[i] + how many of `counts` exceed i, for i < width."""
+    return add_counts(per_pos, reaching(counts, width).tolist())
 
 
 @dataclass
@@ -105,9 +116,7 @@ class GoodputStats:
         """The k of every sampling request of one step."""
         if not len(k):
             return
-        counts = np.bincount(k, minlength=len(self.chosen_k))
-        self.chosen_k = (np.pad(np.asarray(self.chosen_k, dtype=np.int64),
-                                (0, len(counts) - len(self.chosen_k))) + counts).tolist()
+        self.chosen_k = add_counts(self.chosen_k, np.bincount(k).tolist())
         self.num_sampling_steps += 1
         self.num_steps_k0 += not k.any()
 

@@ -27,7 +27,7 @@ from runner.simulated import SimulatedRunner
 from scheduler import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.budget import ChunkPlan, RequestView, ThrottleRule, plan_chunk
 from scheduler.bulk_plan import RunningCounters, plan_bulk
-from scheduler.request import RequestStatus
+from scheduler.request import NUM_OUTCOMES, RequestStatus
 from scheduler.stats import SpecDecodingStats
 from scheduler.step_record import StepRecord
 from scheduler.update import _append_one_by_one, append_tokens
@@ -50,6 +50,7 @@ class FakeRunning:
     blocks: int
     reached: int = 0
     accepted: int = 0
+    last_outcome: int = 0
 
 
 def _rule(method: str | None, k: int, adaptive: bool, max_model_len: int) -> ThrottleRule:
@@ -80,9 +81,13 @@ def reference_run(rule: ThrottleRule, reqs: list[FakeRunning], remaining: list[i
 
 def planned(rule: ThrottleRule, reqs: list[FakeRunning], remaining: list[int],
             free_blocks: int, threshold: int) -> list[ChunkPlan]:
-    counters = RunningCounters(*(np.array([getattr(r, f) for r in reqs], dtype=np.int64)
-                                 for f in ("computed", "tokens", "spec", "output",
-                                           "max_tokens", "blocks", "reached", "accepted")))
+    def column(field: str) -> np.ndarray:
+        return np.array([getattr(r, field) for r in reqs], dtype=np.int64)
+
+    counters = RunningCounters(
+        *(column(f) for f in ("computed", "tokens", "spec", "output", "max_tokens", "blocks",
+                              "accepted", "last_outcome")),
+        np.zeros((len(reqs), NUM_OUTCOMES), dtype=np.int64) + column("reached")[:, None])
     record = StepRecord(rule, 0, len(reqs))
     record.remaining = list(remaining)
     count = plan_bulk(record, reqs, counters, free_blocks, BLOCK,  # type: ignore[arg-type]

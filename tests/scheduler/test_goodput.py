@@ -19,6 +19,15 @@ from scheduler.goodput import (
     GoodputPolicy,
     GoodputSettings,
     StepTimeModel,
+    reaching_by_state,
+)
+from scheduler.request import (
+    ALL_ACCEPTED,
+    FRESH,
+    NONE_ACCEPTED,
+    NUM_OUTCOMES,
+    SOME_ACCEPTED,
+    outcome,
 )
 from spec_decode.methods import get_method
 from tests.helpers import drain, make_request, make_scheduler, run_step
@@ -35,8 +44,12 @@ def policy(method: str, seconds_per_pass: float, seconds_per_row: float,
     model = StepTimeModel(rule.method.drafter if rule.method else None, chosen)
     clock = synthetic_step_time(seconds_per_pass, seconds_per_row)
     rng = np.random.default_rng(0)
-    for _ in range(300):  # rows that vary, so every slope is identifiable
-        target, drafter = int(rng.integers(1, 600)), int(rng.integers(0, 600))
+    for i in range(300):
+        # Rows spread over every segment of the model (log-uniform: as many steps below
+        # the first knot as past the last), so every slope is identifiable, and steps
+        # without a drafter pass, so its constant is too (not a copy of the target's).
+        target, drafter = (int(np.exp(rng.uniform(0.0, np.log(600)))) for _ in range(2))
+        drafter *= i % 2
         model.observe(target, drafter, clock({"target": target, "draft": drafter}))
     gp = GoodputPolicy(rule, 8192, chosen, model)
     # Each reached draft accepted with probability `acceptance`: the accepted prefix of
@@ -46,8 +59,17 @@ def policy(method: str, seconds_per_pass: float, seconds_per_row: float,
     return gp
 
 
-def caps(gp: GoodputPolicy, num: int, reached: int = 0, accepted: int = 0) -> np.ndarray:
-    return gp.caps(np.full(num, reached), np.full(num, accepted), np.full(num, K))
+def history(reached: list[int] | np.ndarray) -> np.ndarray:
+    """[N, NUM_OUTCOMES]: each request's verifications, all made from state FRESH."""
+    got = np.zeros((len(reached), NUM_OUTCOMES), dtype=np.int64)
+    got[:, FRESH] = reached
+    return got
+
+
+def caps(gp: GoodputPolicy, num: int, reached: int = 0, accepted: int = 0,
+         state: int = FRESH) -> np.ndarray:
+    return gp.caps(history([reached] * num), np.full(num, accepted), np.full(num, state),
+                   np.full(num, K))
 
 
 def test_acceptance_counts_only_reached_positions() -> None:
@@ -55,9 +77,36 @@ def test_acceptance_counts_only_reached_positions() -> None:
     never reached (a rejection before it), so it says nothing about position 2."""
     est = AcceptanceEstimates(4, GoodputSettings(prior_weight=0.0, decay=1.0))
     est.record([3], [1])
-    assert est.reached.tolist() == [1, 1, 0, 0] and est.accepted.tolist() == [1, 0, 0, 0]
+    assert est.reached[FRESH].tolist() == [1, 1, 0, 0]
+    assert est.accepted[FRESH].tolist() == [1, 0, 0, 0]
     est.record([4, 2], [4, 2])
-    assert est.reached.tolist() == [3, 3, 1, 1] and est.accepted.tolist() == [3, 2, 1, 1]
+    assert est.reached[FRESH].tolist() == [3, 3, 1, 1]
+    assert est.accepted[FRESH].tolist() == [3, 2, 1, 1]
+    assert not est.reached[FRESH + 1:].any()  # no state given: every one is FRESH
+
+
+def test_outcomes_and_counts_per_state() -> None:
+    assert [outcome(3, 3), outcome(3, 1), outcome(3, 0), outcome(1, 1)] == [
+        ALL_ACCEPTED, SOME_ACCEPTED, NONE_ACCEPTED, ALL_ACCEPTED]
+    # counts [1, 3] in state FRESH and [2] in state NONE_ACCEPTED, width 3
+    got = reaching_by_state(np.array([1, 3, 2]), np.array([FRESH, FRESH, NONE_ACCEPTED]), 3)
+    want = np.zeros((4, 3), dtype=int)
+    want[FRESH], want[NONE_ACCEPTED] = [2, 1, 1], [1, 1, 0]
+    assert got.tolist() == want.tolist()
+
+
+def test_a_request_in_a_run_of_accepted_drafts_drafts_deeper() -> None:
+    """Drafts come in runs: after a verification that accepted everything the next
+    drafts are accepted 0.9 of the time, after one that rejected everything 0.1. Same
+    history otherwise, same costs: the first request drafts all K, the second none."""
+    gp = policy("ngram", 0.02, 0.0008, acceptance=0.5)
+    rng = np.random.default_rng(2)
+    for state, rate in ((ALL_ACCEPTED, 0.9), (NONE_ACCEPTED, 0.1)):
+        accepted = np.minimum(rng.geometric(1 - rate, 400) - 1, K)
+        gp.acceptance.record([K] * 400, accepted.tolist(), [state] * 400)
+    got = gp.caps(history([50, 50]), np.full(2, 25), np.array([ALL_ACCEPTED, NONE_ACCEPTED]),
+                  np.full(2, K))
+    assert got.tolist() == [K, 0]
 
 
 def test_the_time_model_learns_the_clock_it_is_fed() -> None:
@@ -84,7 +133,8 @@ def test_a_request_that_keeps_rejecting_stops_drafting() -> None:
     """One batch, same costs: a request whose drafts were all rejected drafts nothing,
     one that accepted nearly all drafts the most."""
     gp = policy("ngram", 0.02, 0.001, acceptance=0.5)
-    got = gp.caps(np.array([200, 200, 0]), np.array([0, 195, 0]), np.full(3, K))
+    got = gp.caps(history([200, 200, 0]), np.array([0, 195, 0]), np.zeros(3, dtype=int),
+                  np.full(3, K))
     assert got[0] == 0 and got[1] == K and 0 < got[2] < K
 
 
@@ -94,6 +144,26 @@ def test_more_load_means_fewer_drafts() -> None:
     assert per_request[0] > per_request[1] > per_request[2]
 
 
+def test_a_pass_bound_by_its_weights_drafts_everything_worth_a_token() -> None:
+    """Below the first knot a row costs next to nothing (the pass reads the weights
+    either way); prefill chunks past it cost 0.6 ms a row. Fed one request's decode
+    steps of 1-5 rows and a prefill now and then, the model keeps the two apart, so a
+    lone request drafts all K at acceptance 0.3 (its fourth draft gains ~0.008 tokens,
+    the row costs 0.05 ms of a 20 ms step). A single slope fitted through both
+    (the model before the knot at 16) priced a decode row at ~0.5 ms and drafted 2-3."""
+    def clock(rows: int) -> float:
+        return 0.02 + 0.00005 * rows + 0.0006 * max(rows - 16, 0)
+
+    gp = GoodputPolicy(ThrottleRule(get_method("ngram"), K, 4096), 256)
+    rng = np.random.default_rng(1)
+    for step in range(400):
+        rows = int(rng.integers(20, 60)) if step % 20 == 0 else int(rng.integers(1, 6))
+        gp.observe_step([], [], [], rows, 0, clock(rows) + float(rng.normal(0, 0.001)))
+    accepted = np.minimum(rng.geometric(0.7, 400) - 1, K)
+    gp.acceptance.record([K] * 400, accepted.tolist())
+    assert caps(gp, 1, 200, 60).tolist() == [K]
+
+
 @settings(max_examples=200, deadline=None)
 @given(rule_k=st.lists(st.integers(0, K), min_size=1, max_size=20),
        reached=st.integers(0, 100), share=st.floats(0, 1), per_row=st.floats(0, 0.01))
@@ -101,7 +171,8 @@ def test_caps_never_exceed_the_rule(rule_k: list[int], reached: int, share: floa
                                     per_row: float) -> None:
     gp = policy("dflash", 0.02, per_row, acceptance=0.7)
     num = len(rule_k)
-    got = gp.caps(np.full(num, reached), np.full(num, int(reached * share)), np.array(rule_k))
+    got = gp.caps(history([reached] * num), np.full(num, int(reached * share)),
+                  np.zeros(num, dtype=int), np.array(rule_k))
     assert (got <= np.array(rule_k)).all() and (got >= 0).all()
 
 
@@ -152,11 +223,25 @@ def test_the_scheduler_drafts_the_most_when_rows_are_cheap() -> None:
     assert sched.stats.goodput.num_timed_steps == len(outputs)
 
 
+def test_the_scheduler_keeps_each_requests_last_outcome() -> None:
+    """Every draft accepted leaves ALL_ACCEPTED, every one rejected NONE_ACCEPTED, and
+    the policy learns under the state each verification started from."""
+    for acceptance, state in ((1.0, ALL_ACCEPTED), (0.0, NONE_ACCEPTED)):
+        sched = make_scheduler("ngram", k=K, budget=256, draft_policy="goodput")
+        assert sched.policy is not None
+        runner = SimulatedRunner(sched, acceptance=acceptance, seed=0)
+        sched.add_request(make_request("r", 8, max_tokens=30, ignore_eos=True))
+        for _ in range(6):
+            run_step(sched, runner)
+        assert sched.requests["r"].last_outcome == state
+        assert sched.policy.acceptance.reached[state].any()
+
+
 def test_a_policy_asking_past_the_rule_is_held_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Broken on purpose: caps far above K. The scheduler takes min(rule, cap), so the
     strict runner (which re-derives the rule) accepts every step and drains."""
     monkeypatch.setattr(GoodputPolicy, "caps",
-                        lambda self, reached, accepted, rule_k: np.full(len(rule_k), 99))
+                        lambda self, reached, accepted, states, rule_k: np.full(len(rule_k), 99))
     sched = make_scheduler("pard", k=K, budget=64, max_model_len=48, draft_policy="goodput")
     runner = SimulatedRunner(sched, acceptance=1.0, seed=0)
     sched.add_request(make_request("r", 10, max_tokens=60, ignore_eos=True))
