@@ -11,8 +11,9 @@ Two online estimates, both owned here and both injectable (tests seed them):
   over what its states predicted: a request that keeps rejecting stops drafting, one
   that accepts everything drafts the most), and a request with little history gets a
   little optimism, so the estimates keep learning.
-- `StepTimeModel`: the seconds of a step as a function of its target rows and drafter
-  rows (affine, with hinges where the forward turns compute-bound), fitted as a ridge
+- `StepTimeModel`: the seconds of a step as a function of its target rows, how many of
+  them give logits, and its drafter rows (affine, with hinges where the forward turns
+  compute-bound), fitted as a ridge
   regression toward a prior by drafter kind on the step times the runner reports,
   older steps weighing less.
 
@@ -34,19 +35,39 @@ import numpy as np
 from scheduler.budget import ThrottleRule
 from scheduler.request import FRESH, NUM_OUTCOMES
 
-# Where the hinges of the step-time model sit (rows of one pass). The first is where a
-# pass stops being bound by reading the weights: below it a row costs next to nothing
-# (bfloat16 here: five rows 1.06x one), past it every row costs compute.
+# Where the hinges of the step-time model sit, in rows that give logits: past each, a
+# pass is more bound by compute than by reading the weights.
 KNOTS = (16, 64, 256)
-STEP_NOISE = 1e-3  # seconds: the scatter of one step's measured time, roughly
-# Prior step-time parameters (seconds) by drafter kind: constant, per target row and per
-# row past each knot, then a drafter's constant (paid when it runs), per row and past
-# each knot. Rough CPU figures for the default model; the fit replaces them within a
-# few dozen steps wherever the rows vary.
-_TARGET_PRIOR = (0.02, 0.0001, 0.0004, 0.0003, 0.0)
+# Prior step-time parameters (seconds) by drafter kind. The target's: a constant, per
+# row that gives no logits (a prefill row), per row that gives logits (a verified
+# draft's row, a sampling chunk's last row: the LM head, sampling and attention over
+# the whole context; priced apart, or cheap prefill rows would price a verification row
+# low) and the change of that slope past each knot. A drafter's: a constant (paid when
+# it runs), per row, and past each knot. The target's are rounded from a fit to 750
+# steps of the default model in bfloat16 on this project's 2-core CPU, ngram K = 4 at
+# 1, 4, 16 and 64 requests (a verification row ~0.9 ms at every batch size: the fit's
+# changes of slope were within its noise); the fit replaces them wherever rows vary.
+_TARGET_PRIOR = (0.016, 0.0006, 0.0009, 0.0, 0.0, 0.0)
 _DRAFTER_PRIOR = {"lookup": (0.0,) * 5,
-                  "head": (0.002, 0.00001, 0.00002, 0.00002, 0.0),
-                  "lm": _TARGET_PRIOR}
+                  "head": (0.002, 0.00002, 0.00002, 0.00002, 0.0),
+                  "lm": (0.016, 0.001, 0.0004, 0.0, 0.0)}  # a pass like the target's
+# How much the prior weighs, in steps of 64 rows (pseudo-observations as noisy as a
+# real step): little for the constants and base slopes (the data soon decides them),
+# more for the changes of slope at the knots, so rows past a knot no step has reached
+# are priced by the slope below it (plus the prior's change), not by a fit through
+# collinear hinges.
+_REFERENCE_ROWS = 64
+_PRIOR_STEPS_BASE, _PRIOR_STEPS_KNOT = 0.01, 4.0
+
+
+def _prior_precision() -> np.ndarray:
+    """Diagonal prior precision, in the units of the fit (seconds, rows)."""
+    base, knot = _PRIOR_STEPS_BASE, _PRIOR_STEPS_KNOT
+    rows = float(_REFERENCE_ROWS) ** 2
+    hinges = [knot * rows] * len(KNOTS)
+    target = [base, base * rows, base * rows, *hinges]
+    drafter = [base, base * rows, *hinges]
+    return np.diag(np.array(target + drafter))
 
 
 @dataclass(frozen=True)
@@ -61,6 +82,9 @@ class GoodputSettings:
     decay: float = 0.999
     explore: float = 0.2  # optimism for a request with no history, ~ 1 / (1 + seen)
     forgetting: float = 0.995  # of the step-time fit's data, per observed step
+    # Standard deviations by which the time model's price of extra rows is taken low
+    # (exploration: an operating point never left teaches no slope).
+    optimism: float = 1.0
 
 
 def reaching_by_state(counts: np.ndarray, states: np.ndarray, width: int) -> np.ndarray:
@@ -129,9 +153,9 @@ class AcceptanceEstimates:
 
 
 class StepTimeModel:
-    """Seconds of a step from its target rows t and drafter rows d (all drafter passes
-    and one-row steps together): a constant, t, (t - knot)+, and for a step that drafts
-    a constant, d, (d - knot)+.
+    """Seconds of a step from its target rows t, the l of them that give logits, and its
+    drafter rows d (all drafter passes and one-row steps together): a constant, t - l,
+    l, (l - knot)+, and for a step that drafts a constant, d, (d - knot)+.
 
     Fitted as a ridge regression toward the prior for the method's drafter kind, on the
     observed steps weighted by `forgetting` per step since. Only the data is forgotten,
@@ -142,48 +166,68 @@ class StepTimeModel:
     def __init__(self, drafter_kind: str | None, settings: GoodputSettings) -> None:
         drafter = _DRAFTER_PRIOR.get(drafter_kind or "lookup", _DRAFTER_PRIOR["lm"])
         self.prior = np.array(_TARGET_PRIOR + drafter, dtype=float)
-        # Each parameter may be off by about twice its own size, and by at least the
-        # noise on one step's time: the prior weighs at most one step's observation, so
-        # it only holds a direction no step has excited (a knot decode never passes).
-        spread = np.maximum(2.0 * self.prior, STEP_NOISE)
-        self.prior_precision = np.diag((STEP_NOISE / spread) ** 2)
+        self.prior_precision = _prior_precision()
         self._prior_moment = self.prior_precision @ self.prior
         self.gram = np.zeros((len(self.prior), len(self.prior)))  # decayed sum of x x'
         self.moment = np.zeros(len(self.prior))  # decayed sum of x * seconds
         self.theta = self.prior.copy()
+        self.cov = np.linalg.inv(self.prior_precision)  # of theta, in units of noise_var
+        self.noise_var = 1e-6  # of one step's time around the fit (s^2): ~1 ms to start
         self.forgetting = settings.forgetting
+        self.optimism = settings.optimism
         self.num_observed = 0
 
     @staticmethod
-    def features(target: np.ndarray, drafter: np.ndarray) -> np.ndarray:
+    def features(target: np.ndarray, logits: np.ndarray, drafter: np.ndarray) -> np.ndarray:
         t, d = np.asarray(target, dtype=float), np.asarray(drafter, dtype=float)
-        cols = [np.ones_like(t), t, *(np.maximum(t - knot, 0.0) for knot in KNOTS),
+        lg = np.asarray(logits, dtype=float) + np.zeros_like(t)
+        cols = [np.ones_like(t), t - lg, lg, *(np.maximum(lg - knot, 0.0) for knot in KNOTS),
                 (d > 0).astype(float), d, *(np.maximum(d - knot, 0.0) for knot in KNOTS)]
         return np.stack(cols, axis=-1)
 
     @staticmethod
-    def features_one(target: int, drafter: int) -> np.ndarray:
-        """`features` of one step, without numpy's per-call cost on ten tiny columns."""
-        return np.array([1.0, target, *(max(target - knot, 0) for knot in KNOTS),
+    def features_one(target: int, logits: int, drafter: int) -> np.ndarray:
+        """`features` of one step, without numpy's per-call cost on eleven tiny columns."""
+        return np.array([1.0, target - logits, logits,
+                         *(max(logits - knot, 0) for knot in KNOTS),
                          float(drafter > 0), drafter,
                          *(max(drafter - knot, 0) for knot in KNOTS)], dtype=float)
 
-    def predict(self, target: np.ndarray | int, drafter: np.ndarray | int) -> np.ndarray:
-        """Seconds (>= 1 microsecond) for each (target, drafter) row count."""
-        return np.maximum(self.features(np.asarray(target), np.asarray(drafter)) @ self.theta,
-                          1e-6)
+    def predict(self, target: np.ndarray | int, logits: np.ndarray | int,
+                drafter: np.ndarray | int) -> np.ndarray:
+        """Seconds (>= 1 microsecond) for each (target, logit, drafter) row count."""
+        return np.maximum(self.features(np.asarray(target), np.asarray(logits),
+                                        np.asarray(drafter)) @ self.theta, 1e-6)
 
-    def predict_one(self, target: int, drafter: int) -> float:
-        return max(float(self.features_one(target, drafter) @ self.theta), 1e-6)
+    def predict_one(self, target: int, logits: int, drafter: int) -> float:
+        return max(float(self.features_one(target, logits, drafter) @ self.theta), 1e-6)
 
-    def observe(self, target: int, drafter: int, seconds: float) -> None:
-        x = self.features_one(target, drafter)
+    def predict_optimistic(self, target: np.ndarray, logits: np.ndarray,
+                           drafter: np.ndarray) -> np.ndarray:
+        """Seconds of each step, the first the base: what each adds to the base is
+        predicted `optimism` standard deviations low (never below 0). Where no step
+        has varied the rows (a batch that never drafts keeps one operating point), the
+        slope is unknown and the extra rows look cheap, so the policy tries them and
+        measures; once measured, the deviation is small and the mean decides."""
+        x = self.features(target, logits, drafter)
+        mean = x @ self.theta
+        extra = x - x[0]
+        spread = np.sqrt(self.noise_var * np.einsum("ij,jk,ik->i", extra, self.cov, extra))
+        added = np.maximum(mean - mean[0] - self.optimism * spread, 0.0)
+        return np.maximum(mean[0] + added, 1e-6)
+
+    def observe(self, target: int, logits: int, drafter: int, seconds: float) -> None:
+        x = self.features_one(target, logits, drafter)
+        residual = seconds - float(x @ self.theta)
+        # The noise is learnt from the residuals before each update, so a step the fit
+        # has seen does not make the noise look smaller than it is.
+        self.noise_var += (1.0 - self.forgetting) * (residual * residual - self.noise_var)
         self.gram *= self.forgetting
         self.gram += np.outer(x, x)
         self.moment *= self.forgetting
         self.moment += x * seconds
-        self.theta = np.linalg.solve(self.prior_precision + self.gram,
-                                     self._prior_moment + self.moment)
+        self.cov = np.linalg.inv(self.prior_precision + self.gram)
+        self.theta = self.cov @ (self._prior_moment + self.moment)
         self.num_observed += 1
 
 
@@ -253,10 +297,10 @@ class GoodputPolicy:
         j = order % k  # the draft's index in its request (0: the first draft)
         target = num_sampling + np.cumsum(self.costs.target[j])
         drafter = num_sampling * self.costs.drafter_base + np.cumsum(self.costs.drafter[j])
-        seconds = self.time_model.predict(np.concatenate([[num_sampling], target]),
-                                          np.concatenate([[num_sampling
-                                                           * self.costs.drafter_base],
-                                                          drafter]))
+        # Every verification row gives logits, so the target rows here are logit rows.
+        rows = np.concatenate([[num_sampling], target])
+        seconds = self.time_model.predict_optimistic(rows, rows, np.concatenate(
+            [[num_sampling * self.costs.drafter_base], drafter]))
         # A misfit that predicts less time for more rows must not reward drafting.
         seconds = np.maximum.accumulate(seconds)
         tokens = num_sampling + np.concatenate([[0.0], np.cumsum(g)])
@@ -267,9 +311,9 @@ class GoodputPolicy:
         return float(g[best - 1]) if best > 0 else np.inf
 
     def observe_step(self, verified: list[int], accepted: list[int], states: list[int],
-                     target_rows: int, drafter_rows: int, seconds: float | None) -> None:
+                     rows: tuple[int, int, int], seconds: float | None) -> None:
         """What a step's results teach: its verifications (with the state each request
-        was in), and its time if measured."""
+        was in), and its time if measured, with its (target, logit, drafter) rows."""
         self.acceptance.record(verified, accepted, states)
         if seconds is not None:
-            self.time_model.observe(target_rows, drafter_rows, seconds)
+            self.time_model.observe(*rows, seconds)

@@ -62,6 +62,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self._predicted_seconds: float | None = None  # of the step last planned
+        self._logit_rows = 0  # of the step last planned: rows that give logits
         self._step_record: StepRecord | None = None  # built on the first step
         self._finished_since_last_step: set[str] = set()
 
@@ -364,8 +365,8 @@ class Scheduler:
         rows = result.pass_rows or out.pass_rows
         target = rows.get("target", 0)
         drafter = sum(rows.values()) - target
-        self.policy.observe_step(verified, accepted, states, target, drafter,
-                                 result.step_seconds)
+        self.policy.observe_step(verified, accepted, states,
+                                 (target, self._logit_rows, drafter), result.step_seconds)
         if result.step_seconds is not None and self._predicted_seconds is not None:
             self.stats.goodput.record_time(self._predicted_seconds, result.step_seconds)
 
@@ -379,8 +380,10 @@ class Scheduler:
         drafter = sum(output.pass_rows.values()) - output.total_num_scheduled_tokens
         if self.method is not None and self.method.sequential:
             drafter += int(np.maximum(k - 1, 0).sum())
+        # Rows that give logits: each sampling chunk's verified drafts and its last row.
+        self._logit_rows = int((record.num_spec[live][sampling] + 1).sum())
         self._predicted_seconds = self.policy.time_model.predict_one(
-            output.total_num_scheduled_tokens, drafter)
+            output.total_num_scheduled_tokens, self._logit_rows, drafter)
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(

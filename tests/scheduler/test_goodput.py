@@ -50,7 +50,8 @@ def policy(method: str, seconds_per_pass: float, seconds_per_row: float,
         # without a drafter pass, so its constant is too (not a copy of the target's).
         target, drafter = (int(np.exp(rng.uniform(0.0, np.log(600)))) for _ in range(2))
         drafter *= i % 2
-        model.observe(target, drafter, clock({"target": target, "draft": drafter}))
+        logits = int(rng.integers(1, target + 1))  # the clock does not price them apart
+        model.observe(target, logits, drafter, clock({"target": target, "draft": drafter}))
     gp = GoodputPolicy(rule, 8192, chosen, model)
     # Each reached draft accepted with probability `acceptance`: the accepted prefix of
     # K drafts is geometric.
@@ -114,7 +115,31 @@ def test_the_time_model_learns_the_clock_it_is_fed() -> None:
     clock = synthetic_step_time(0.01, 0.0005)
     for target, drafter in ((1, 1), (16, 16), (300, 40), (64, 0)):
         expect = clock({"target": target, "draft": drafter})
-        assert float(model.predict(target, drafter)) == pytest.approx(expect, rel=0.05)
+        assert float(model.predict(target, target, drafter)) == pytest.approx(expect, rel=0.05)
+
+
+def test_rows_never_tried_look_cheap_until_measured() -> None:
+    """Steps at one operating point (64 rows, every one a decode row; 2 ms of noise)
+    teach the total but not the slope: 64 more rows are priced below the mean, so the
+    policy tries them. Once steps at varied rows are seen, the optimistic price meets
+    the mean, and the mean the clock."""
+    model = StepTimeModel("lookup", GoodputSettings())
+    rows = np.array([64, 128])
+
+    def added(optimistic: bool) -> float:
+        got = (model.predict_optimistic(rows, rows, np.zeros(2)) if optimistic
+               else model.predict(rows, rows, np.zeros(2)))
+        return float(got[1] - got[0])
+
+    rng = np.random.default_rng(4)
+    for _ in range(200):
+        model.observe(64, 64, 0, 0.016 + 0.001 * 64 + float(rng.normal(0, 0.002)))
+    assert added(True) < 0.8 * added(False)
+    for _ in range(200):
+        decode = int(rng.integers(32, 160))
+        model.observe(decode, decode, 0, 0.016 + 0.001 * decode + float(rng.normal(0, 0.001)))
+    assert added(True) == pytest.approx(added(False), rel=0.05)
+    assert added(False) == pytest.approx(0.064, rel=0.05)
 
 
 def test_no_drafts_where_the_model_predicts_a_loss() -> None:
@@ -148,9 +173,9 @@ def test_a_pass_bound_by_its_weights_drafts_everything_worth_a_token() -> None:
     """Below the first knot a row costs next to nothing (the pass reads the weights
     either way); prefill chunks past it cost 0.6 ms a row. Fed one request's decode
     steps of 1-5 rows and a prefill now and then, the model keeps the two apart, so a
-    lone request drafts all K at acceptance 0.3 (its fourth draft gains ~0.008 tokens,
-    the row costs 0.05 ms of a 20 ms step). A single slope fitted through both
-    (the model before the knot at 16) priced a decode row at ~0.5 ms and drafted 2-3."""
+    lone request drafts all K at acceptance 0.4 (its fourth draft gains ~0.026 tokens,
+    the row costs 0.05 ms of a 20 ms step that yields ~1.7 tokens). A single slope
+    fitted through both priced a decode row at ~0.5 ms and drafted 2-3."""
     def clock(rows: int) -> float:
         return 0.02 + 0.00005 * rows + 0.0006 * max(rows - 16, 0)
 
@@ -158,10 +183,36 @@ def test_a_pass_bound_by_its_weights_drafts_everything_worth_a_token() -> None:
     rng = np.random.default_rng(1)
     for step in range(400):
         rows = int(rng.integers(20, 60)) if step % 20 == 0 else int(rng.integers(1, 6))
-        gp.observe_step([], [], [], rows, 0, clock(rows) + float(rng.normal(0, 0.001)))
-    accepted = np.minimum(rng.geometric(0.7, 400) - 1, K)
+        gp.observe_step([], [], [], (rows, rows if rows < 6 else 1, 0),
+                        clock(rows) + float(rng.normal(0, 0.001)))
+    accepted = np.minimum(rng.geometric(0.6, 400) - 1, K)
     gp.acceptance.record([K] * 400, accepted.tolist())
-    assert caps(gp, 1, 200, 60).tolist() == [K]
+    assert caps(gp, 1, 200, 80).tolist() == [K]
+
+
+def test_cheap_prefill_rows_do_not_make_verification_rows_look_cheap() -> None:
+    """A row that gives logits costs 2 ms (LM head, sampling, attention over a long
+    context), a prefill row 0.1 ms. Fed 64-request decode steps (every row gives
+    logits) and prefill chunks of 256 rows, the model prices one more verification row
+    at ~2 ms, so 64 requests at acceptance 0.5 draft nothing (a draft would gain 0.5
+    tokens for 2 ms where the step yields 64 tokens in ~0.15 s)."""
+    def clock(target: int, logits: int) -> float:
+        return 0.02 + 0.0001 * target + 0.002 * logits
+
+    gp = GoodputPolicy(ThrottleRule(get_method("ngram"), K, 4096), 2048)
+    rng = np.random.default_rng(3)
+    for step in range(300):
+        if step % 4 == 0:  # a prefill chunk, one request finishing its prompt
+            rows = (256, 1)
+        else:
+            decode = 64 + int(rng.integers(0, 64))
+            rows = (decode, decode)
+        gp.observe_step([], [], [], (*rows, 0), clock(*rows) + float(rng.normal(0, 0.002)))
+    marginal = float(gp.time_model.predict(101, 101, 0) - gp.time_model.predict(100, 100, 0))
+    assert marginal == pytest.approx(0.0021, rel=0.15)
+    accepted = np.minimum(rng.geometric(0.5, 400) - 1, K)
+    gp.acceptance.record([K] * 400, accepted.tolist())
+    assert caps(gp, 64, 50, 25).tolist() == [0] * 64
 
 
 @settings(max_examples=200, deadline=None)
