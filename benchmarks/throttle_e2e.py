@@ -12,11 +12,19 @@ workload and the same decisions whatever this shared machine's speed; timings ar
 wall-clock, each rule run `--rounds` times with the order rotated every round (the
 median round is reported, every round listed). Per rule: output tokens/s, TTFT
 p50/p99 (from a request's arrival step), steps, target and drafter rows per step;
-outputs must be identical under all three rules and every round (greedy). Heads: the
-trained default when the cache has one, else an untrained head (`"model": "random"`,
-labelled) that keeps the passes' shapes but accepts nothing.
+outputs must be identical under every configuration and every round (greedy). Heads:
+the trained default when the cache has one, else an untrained head (`"model":
+"random"`, labelled) that keeps the passes' shapes but accepts nothing.
+
+Each rule runs with a draft policy (`--configs rule:policy,...`): by default the three
+rules with the goodput policy (each request's k chosen per step; a rule charges what it
+charges for the chosen k: ours the rows it adds, the flat rule n + S whatever k is), and
+ours with the fixed policy (k = K), the scheduler before goodput. Goodput decides from
+measured step times, so its rounds may take different steps (reported, not hidden);
+the fixed policy's must not.
 
     python benchmarks/throttle_e2e.py [--quick] [--rounds 3] [--methods dflash:8,...]
+        [--configs ours:goodput,...] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from benchmarks.vllm_rules import FlatChargeRule, StaticReservationRule  # noqa:
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
+from runner.config import RunnerConfig  # noqa: E402
 from runner.drafter import find_trained_head  # noqa: E402
 from runner.model_loader import load_model  # noqa: E402
 from runner.model_prep import resolve_model  # noqa: E402
@@ -46,11 +55,13 @@ from runner.models.llama import LlamaForCausalLM  # noqa: E402
 from scheduler import CacheConfig, Request, SamplingParams, Scheduler  # noqa: E402
 from scheduler.budget import ThrottleRule  # noqa: E402
 from spec_decode import SpeculativeConfig  # noqa: E402
+from spec_decode.config import DRAFT_POLICIES  # noqa: E402
 from spec_decode.methods import get_method  # noqa: E402
 from training.data import code_windows  # noqa: E402
 from training.prompts import instructions  # noqa: E402
 
 RULES = ("ours", "vllm_flat", "vllm_static")
+DEFAULT_CONFIGS = "ours:goodput,vllm_flat:goodput,vllm_static:goodput,ours:fixed"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "throttle_e2e.json"
 
 
@@ -101,9 +112,22 @@ def head_for(method: str, model_path: Path) -> str | None:
     return None if find_trained_head(model_path, method) else "random"
 
 
+def parse_configs(text: str) -> list[tuple[str, str]]:
+    """"rule:policy,..." -> [(rule, policy)]; an unknown rule or policy is refused."""
+    configs = []
+    for item in text.split(","):
+        rule, _, policy = item.partition(":")
+        if rule not in RULES or policy not in DRAFT_POLICIES:
+            raise ValueError(f"--configs: {item!r} is not rule:policy (rules: "
+                             f"{', '.join(RULES)}; policies: {', '.join(DRAFT_POLICIES)})")
+        configs.append((rule, policy))
+    return configs
+
+
 def run_rule(model: LlamaForCausalLM, spec: SpeculativeConfig, rule_name: str,
              prompts: list[list[int]], work: Workload, eos: int | None) -> dict:
-    """One drained run with one rule; per-request outputs included for the check."""
+    """One drained run with one rule (and the spec's draft policy); per-request outputs
+    included for the check."""
     config = EngineConfig(max_num_batched_tokens=work.budget, max_num_seqs=work.max_num_seqs,
                           max_model_len=work.max_model_len, speculative_config=spec,
                           num_kv_blocks=work.max_num_seqs * work.max_model_len // 16 + 16)
@@ -147,8 +171,11 @@ def run_rule(model: LlamaForCausalLM, spec: SpeculativeConfig, rule_name: str,
     seconds = time.perf_counter() - start
     tokens = sum(len(o) for o in outputs.values())
     ttfts = sorted(ttft.values())
+    goodput = core.scheduler.stats.goodput
     return {
-        "rule": rule_name, "status": "ok", "target_budget": core.scheduler.rule
+        "rule": rule_name, "draft_policy": spec.draft_policy, "status": "ok",
+        "chosen_k": goodput.chosen_k, "share_steps_k0": goodput.share_steps_k0,
+        "target_budget": core.scheduler.rule
         .initial_budget(work.budget)[0], "seconds": round(seconds, 2),
         "output_tokens": tokens, "output_tokens_per_s": round(tokens / seconds, 2),
         "ttft_p50_s": round(statistics.median(ttfts), 3),
@@ -161,11 +188,11 @@ def run_rule(model: LlamaForCausalLM, spec: SpeculativeConfig, rule_name: str,
     }
 
 
-def rotated(round_index: int) -> tuple[str, ...]:
-    """The rules' order in one round: each rule goes first, middle and last in turn,
-    so a drift in this shared machine's speed does not favour one rule."""
-    shift = round_index % len(RULES)
-    return RULES[shift:] + RULES[:shift]
+def rotated(configs: list[tuple[str, str]], round_index: int) -> list[tuple[str, str]]:
+    """The configurations' order in one round: each goes first, middle and last in
+    turn, so a drift in this shared machine's speed does not favour one of them."""
+    shift = round_index % len(configs)
+    return configs[shift:] + configs[:shift]
 
 
 def merge_rounds(runs: list[dict]) -> dict:
@@ -182,34 +209,47 @@ def merge_rounds(runs: list[dict]) -> dict:
     return first
 
 
+def ratios(a: dict, b: dict) -> dict:
+    """a ÷ b: output tokens/s (above 1: a faster) and steps to drain (below 1: a fewer)."""
+    return {"tokens_per_s": round(a["output_tokens_per_s"] / b["output_tokens_per_s"], 3),
+            "steps": round(a["steps"] / b["steps"], 3)}
+
+
 def run_method(model: LlamaForCausalLM, model_path: Path, method: str, k: int,
                prompts: list[list[int]], work: Workload, eos: int | None,
-               rounds: int = 3) -> list[dict]:
+               rounds: int = 3, configs: list[tuple[str, str]] | None = None) -> list[dict]:
+    configs = configs or parse_configs(DEFAULT_CONFIGS)
     head = head_for(method, model_path)
-    spec = SpeculativeConfig(method, k, model=head)
+    specs = {policy: SpeculativeConfig(method, k, model=head, draft_policy=policy)
+             for policy in {policy for _, policy in configs}}
     warm = Workload(num_requests=1, burst=1, prompt_tokens=(8, 8), max_tokens=2,
                     budget=work.budget, max_num_seqs=work.max_num_seqs,
                     max_model_len=work.max_model_len)
-    run_rule(model, spec, "ours", prompts[:1], warm, eos)  # first-call costs, left out
-    by_rule: dict[str, list[dict]] = {rule: [] for rule in RULES}
+    run_rule(model, specs[configs[0][1]], "ours", prompts[:1], warm, eos)  # first-call costs
+    by_config: dict[tuple[str, str], list[dict]] = {config: [] for config in configs}
     for round_index in range(rounds):
-        for rule in rotated(round_index):
-            by_rule[rule].append(run_rule(model, spec, rule, prompts, work, eos))
-    runs = [merge_rounds(by_rule[rule]) for rule in RULES]
-    ok = [r for r in runs if r["status"] == "ok"]
-    ours = ok[0]
-    for run in runs:
+        for rule, policy in rotated(configs, round_index):
+            by_config[rule, policy].append(run_rule(model, specs[policy], rule, prompts,
+                                                    work, eos))
+    runs = {config: merge_rounds(by_config[config]) for config in configs}
+    first = next(r for r in runs.values() if r["status"] == "ok")
+    for (rule, policy), run in runs.items():
         run.update(method=method, k=k, rounds=rounds,
                    head="random" if head else "trained/default")
         if run["status"] != "ok":
             continue
-        run["identical_outputs"] = run["outputs"] == ours["outputs"]
-        run["ours_tokens_per_s_ratio"] = round(
-            ours["output_tokens_per_s"] / run["output_tokens_per_s"], 3)
-        run["ours_steps_ratio"] = round(ours["steps"] / run["steps"], 3)
-    for run in ok:
-        del run["outputs"]
-    return runs
+        run["identical_outputs"] = run["outputs"] == first["outputs"]
+        # The rule alone differs: ours ÷ this rule, under the same policy.
+        ours = runs.get(("ours", policy))
+        if rule != "ours" and ours is not None:
+            run["ours_vs_this"] = ratios(ours, run)
+        # The policy alone differs: this ÷ the same rule under the other policy.
+        other = next((r for (ru, po), r in runs.items() if ru == rule and po != policy), None)
+        if other is not None and other["status"] == "ok":
+            run["vs_other_policy"] = {"policy": other["draft_policy"], **ratios(run, other)}
+    for run in runs.values():
+        run.pop("outputs", None)
+    return list(runs.values())
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -219,17 +259,20 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cases = sorted({(r["method"], r["k"]) for r in rows}, key=str)
+    configs = list(dict.fromkeys((r["rule"], r["draft_policy"]) for r in rows))
+    width = 0.8 / len(configs)
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, key, label in zip(axes, ("output_tokens_per_s", "ttft_p50_s", "steps"),
                               ("output tokens/s", "TTFT p50 (s)", "steps to drain"),
                               strict=True):
-        for j, rule in enumerate(RULES):
+        for j, config in enumerate(configs):
             vals = [next((r.get(key, 0) for r in rows if (r["method"], r["k"]) == c
-                          and r["rule"] == rule), 0) for c in cases]
-            ax.bar(np.arange(len(cases)) + (j - 1) * 0.27, vals, width=0.27, label=rule)
+                          and (r["rule"], r["draft_policy"]) == config), 0) for c in cases]
+            ax.bar(np.arange(len(cases)) + (j - (len(configs) - 1) / 2) * width, vals,
+                   width=width, label=" ".join(config))
         ax.set_xticks(np.arange(len(cases)), [f"{m} K={k}" for m, k in cases])
         ax.set_ylabel(label)
-    axes[0].legend()
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -239,23 +282,29 @@ def main(argv: list[str] | None = None) -> dict:
     parser = bench_parser(__doc__, DEFAULT_OUT)
     parser.add_argument("--methods", default="dflash:8,parallel:4,draft_model:4")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="runs per rule, the order rotated each round")
+                        help="runs per configuration, the order rotated each round")
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS,
+                        help="rule:draft_policy pairs to run")
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto")
     args = parser.parse_args(argv)
+    configs = parse_configs(args.configs)
     work = QUICK if args.quick else Workload()
     torch.manual_seed(0)
     path = resolve_model(None)
-    model = load_model(path, torch.float32, torch.device("cpu"))
+    dtype = RunnerConfig(dtype=args.dtype).torch_dtype
+    model = load_model(path, dtype, torch.device("cpu"))
     tokenizer = Tokenizer.from_dir(path)
     prompts = make_prompts(tokenizer, work)
     rows = []
     for item in args.methods.split(","):
         method, k = item.split(":")
         for run in run_method(model, path, method, int(k), prompts, work,
-                              tokenizer.eos_token_id, args.rounds):
+                              tokenizer.eos_token_id, args.rounds, configs):
             rows.append(run)
             print({key: v for key, v in run.items() if key != "reason"}, flush=True)
     out = out_path(args, DEFAULT_OUT)
-    report = {"benchmark": "throttle_e2e", "device": "cpu", "dtype": "float32",
+    report = {"benchmark": "throttle_e2e", "device": "cpu",
+              "dtype": str(dtype).removeprefix("torch."),
               "workload": work.__dict__, "quick": args.quick, "results": rows}
     write_report(out, report)
     plot(rows, out.with_suffix(".png"))

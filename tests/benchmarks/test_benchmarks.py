@@ -79,34 +79,53 @@ def test_spec_decode_quick(tmp_path: Path) -> None:
 
 @pytest.mark.model
 def test_throttle_e2e_quick(tmp_path: Path) -> None:
-    """The real model under each of the three rules: outputs identical, every figure
-    reported, and the static reservation's smaller target budget is the one it ran."""
+    """The real model under each rule with the goodput policy and ours with the fixed
+    one: outputs identical, every figure reported, the static reservation's smaller
+    target budget is the one it ran, and each row is compared with ours (same policy)
+    and with its rule under the other policy."""
     from benchmarks import throttle_e2e
 
     report = throttle_e2e.main(["--quick", "--methods", "dflash:2", "--rounds", "2",
                                 "--out", str(tmp_path / "e.json")])
     assert (tmp_path / "e.png").stat().st_size > 0
-    rows = {row["rule"]: row for row in report["results"]}
-    assert set(rows) == {"ours", "vllm_flat", "vllm_static"}
+    rows = {(row["rule"], row["draft_policy"]): row for row in report["results"]}
+    assert set(rows) == {("ours", "goodput"), ("vllm_flat", "goodput"),
+                         ("vllm_static", "goodput"), ("ours", "fixed")}
     work = report["workload"]
     for row in rows.values():
         assert row["status"] == "ok" and row["identical_outputs"]
-        assert row["same_decisions_every_round"] and len(row["rounds_tokens_per_s"]) == 2
+        assert len(row["rounds_tokens_per_s"]) == 2
         assert row["output_tokens"] == work["num_requests"] * work["max_tokens"]
         assert row["steps"] > 0 and row["ttft_p50_s"] <= row["ttft_p99_s"]
         assert 0 < row["target_rows_per_step"] <= work["budget"]
+    # The fixed policy decides without a clock: its rounds must agree.
+    assert rows["ours", "fixed"]["same_decisions_every_round"]
+    assert sum(rows["ours", "goodput"]["chosen_k"]) > 0
     # dflash K=2: S = K + 1 = 3 rows reserved per sequence under the static rule.
-    assert rows["vllm_static"]["target_budget"] == work["budget"] - 3 * work["max_num_seqs"]
-    assert rows["ours"]["target_budget"] == work["budget"]
+    static = rows["vllm_static", "goodput"]
+    assert static["target_budget"] == work["budget"] - 3 * work["max_num_seqs"]
+    assert rows["ours", "goodput"]["target_budget"] == work["budget"]
+    assert set(static["ours_vs_this"]) == {"tokens_per_s", "steps"}
+    assert rows["ours", "fixed"]["vs_other_policy"]["policy"] == "goodput"
+    assert "ours_vs_this" not in rows["ours", "goodput"]
 
 
-def test_throttle_e2e_rotates_rule_order() -> None:
-    """Every rule goes first once in three rounds, and each round runs every rule."""
-    from benchmarks.throttle_e2e import RULES, rotated
+def test_throttle_e2e_rotates_config_order() -> None:
+    """Every configuration goes first once in as many rounds, and each round runs all."""
+    from benchmarks.throttle_e2e import DEFAULT_CONFIGS, parse_configs, rotated
 
-    orders = [rotated(r) for r in range(3)]
-    assert {order[0] for order in orders} == set(RULES)
-    assert all(sorted(order) == sorted(RULES) for order in orders)
+    configs = parse_configs(DEFAULT_CONFIGS)
+    orders = [rotated(configs, r) for r in range(len(configs))]
+    assert {order[0] for order in orders} == set(configs)
+    assert all(sorted(order) == sorted(configs) for order in orders)
+
+
+def test_throttle_e2e_refuses_an_unknown_config() -> None:
+    from benchmarks.throttle_e2e import parse_configs
+
+    for bad in ("ours", "vllm:goodput", "ours:greedy"):
+        with pytest.raises(ValueError, match="rule:policy"):
+            parse_configs(bad)
 
 
 def test_throttle_e2e_merge_flags_rounds_that_decided_differently() -> None:
@@ -239,3 +258,6 @@ def test_goodput_cost_quick(tmp_path: Path) -> None:
                                 str(tmp_path / "g.json")])
     (row,) = report["results"]
     assert row["n_running"] == 16 and row["fixed_median_us"] > 0 and row["ratio"] > 0
+    assert row["policy_us"] > 0
+    assert row["fixed_plus_policy_ratio"] == pytest.approx(
+        (row["fixed_median_us"] + row["policy_us"]) / row["fixed_median_us"], abs=1e-3)
