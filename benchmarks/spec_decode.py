@@ -119,6 +119,13 @@ def run_one(model: LlamaForCausalLM, method: str | None, prompts: list[str], k: 
     }
 
 
+def pass_order(num_configs: int, repeat: int, repeats: int) -> list[int]:
+    """The configurations' order in pass `repeat`: rotated by an even share of the list
+    each pass, so over the passes each configuration runs early, midway and late."""
+    shift = (repeat * num_configs) // max(repeats, 1)
+    return [(i + shift) % num_configs for i in range(num_configs)]
+
+
 def _median_row(runs: list[dict]) -> dict:
     """The first run's record with the median tokens/s of all runs (and each run's)."""
     rates = [r["tokens_per_s"] for r in runs]
@@ -167,6 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="comma-separated (default 1,16; --quick: 1,4)")
     parser.add_argument("--dtype", default="float32",
                         help="the model's dtype: float32, bfloat16 or auto")
+    parser.add_argument("--no-warm-pass", dest="warm_pass", action="store_false",
+                        help="skip the unmeasured first pass over every configuration")
     parser.add_argument("--repeats", type=int, default=1,
                         help="round-robin passes over every configuration (medians)")
     parser.add_argument("--out", type=Path)
@@ -199,13 +208,21 @@ def main(argv: list[str] | None = None) -> dict:
             configs += [(method, policy, k, head)
                         for method in methods for policy, k in runs
                         for head in head_variants(method, path, not args.no_random_heads)]
-            # Round-robin over the configurations, `--repeats` times: the machine's
-            # drift falls on every configuration alike; each figure is the median.
+            # Round-robin over the configurations, `--repeats` times, each pass starting
+            # elsewhere in the list (this machine's speed drifts within a pass too, so a
+            # fixed order favours whoever runs in its fast stretch); each figure is the
+            # median.
+            # A first pass, unmeasured, meets every shape once: oneDNN builds a kernel
+            # per new row count, so in a cold process whoever runs first would pay the
+            # building for everyone after it.
             runs_of: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
-            for _ in range(args.repeats):
-                for i, (method, policy, k, head) in enumerate(configs):
-                    runs_of[i].append(run_one(model, method, batch, k, max_tokens, head,
-                                              conc, policy))
+            warm = args.warm_pass and not args.quick
+            for repeat in range(-1 if warm else 0, args.repeats):
+                for i in pass_order(len(configs), max(repeat, 0), args.repeats):
+                    method, policy, k, head = configs[i]
+                    run = run_one(model, method, batch, k, max_tokens, head, conc, policy)
+                    if repeat >= 0:
+                        runs_of[i].append(run)
             base = _median_row(runs_of[0])
             for i, (_, policy, k, _head) in enumerate(configs):
                 row = base if i == 0 else _median_row(runs_of[i])

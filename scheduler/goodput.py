@@ -212,7 +212,7 @@ class StepTimeModel:
         x = self.features(target, logits, drafter)
         mean = x @ self.theta
         extra = x - x[0]
-        spread = np.sqrt(self.noise_var * np.einsum("ij,jk,ik->i", extra, self.cov, extra))
+        spread = np.sqrt(self.noise_var * ((extra @ self.cov) * extra).sum(axis=1))
         added = np.maximum(mean - mean[0] - self.optimism * spread, 0.0)
         return np.maximum(mean[0] + added, 1e-6)
 

@@ -77,6 +77,19 @@ def test_spec_decode_quick(tmp_path: Path) -> None:
             assert row["theoretical_tokens_per_step"] == 5.0
 
 
+def test_spec_decode_rotates_its_passes() -> None:
+    """Each pass runs every configuration once, and over the passes a configuration
+    runs at different places in the pass (not always first, not always last)."""
+    from benchmarks.spec_decode import pass_order
+
+    orders = [pass_order(11, r, 3) for r in range(3)]
+    assert all(sorted(order) == list(range(11)) for order in orders)
+    for config in range(11):
+        places = {order.index(config) for order in orders}
+        assert len(places) == 3 and max(places) - min(places) >= 3
+    assert pass_order(5, 0, 1) == [0, 1, 2, 3, 4]
+
+
 @pytest.mark.model
 def test_throttle_e2e_quick(tmp_path: Path) -> None:
     """The real model under each rule with the goodput policy and ours with the fixed
