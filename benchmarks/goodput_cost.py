@@ -48,7 +48,7 @@ def policy_cost_us(method: str, num: int, calls: int = 200, seed: int = 0) -> fl
         start = time.perf_counter_ns()
         policy.caps(history, first, states, rule_k)
         rows = num * (1 + NUM_SPEC)
-        policy.observe_step(verified, accepted, states.tolist(), (rows, rows, 0), 0.05)
+        policy.observe_step(verified, accepted, states.tolist(), (rows, rows, 0, 0), 0.05)
         times.append((time.perf_counter_ns() - start) / 1000)
     return statistics.median(times)
 

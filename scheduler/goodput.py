@@ -42,11 +42,12 @@ KNOTS = (16, 64, 256)
 # row that gives no logits (a prefill row), per row that gives logits (a verified
 # draft's row, a sampling chunk's last row: the LM head, sampling and attention over
 # the whole context; priced apart, or cheap prefill rows would price a verification row
-# low) and the change of that slope past each knot. A drafter's: a constant (paid when
-# it runs), per row, and past each knot. The target's are rounded from a fit to 750
-# steps of the default model in bfloat16 on this project's 2-core CPU, ngram K = 4 at
-# 1, 4, 16 and 64 requests (a verification row ~0.9 ms at every batch size: the fit's
-# changes of slope were within its noise); the fit replaces them wherever rows vary.
+# low) and the change of that slope past each knot. A drafter's: per forward pass (its
+# launch, whatever its rows), per row, and past each knot. The target's are rounded
+# from a fit to 750 steps of the default model in bfloat16 on this project's 2-core
+# CPU, ngram K = 4 at 1, 4, 16 and 64 requests (a verification row ~0.9 ms at every
+# batch size: the fit's changes of slope were within its noise); the fit replaces them
+# wherever rows vary.
 _TARGET_PRIOR = (0.016, 0.0006, 0.0009, 0.0, 0.0, 0.0)
 _DRAFTER_PRIOR = {"lookup": (0.0,) * 5,
                   "head": (0.002, 0.00002, 0.00002, 0.00002, 0.0),
@@ -153,9 +154,9 @@ class AcceptanceEstimates:
 
 
 class StepTimeModel:
-    """Seconds of a step from its target rows t, the l of them that give logits, and its
-    drafter rows d (all drafter passes and one-row steps together): a constant, t - l,
-    l, (l - knot)+, and for a step that drafts a constant, d, (d - knot)+.
+    """Seconds of a step from its target rows t, the l of them that give logits, its
+    drafter rows d (all drafter passes and one-row steps together) and the p drafter
+    forward passes they took: a constant, t - l, l, (l - knot)+, p, d, (d - knot)+.
 
     Fitted as a ridge regression toward the prior for the method's drafter kind, on the
     observed steps weighted by `forgetting` per step since. Only the data is forgotten,
@@ -178,46 +179,51 @@ class StepTimeModel:
         self.num_observed = 0
 
     @staticmethod
-    def features(target: np.ndarray, logits: np.ndarray, drafter: np.ndarray) -> np.ndarray:
+    def features(target: np.ndarray, logits: np.ndarray, drafter: np.ndarray,
+                 passes: np.ndarray) -> np.ndarray:
         t, d = np.asarray(target, dtype=float), np.asarray(drafter, dtype=float)
         lg = np.asarray(logits, dtype=float) + np.zeros_like(t)
+        p = np.asarray(passes, dtype=float) + np.zeros_like(t)
         cols = [np.ones_like(t), t - lg, lg, *(np.maximum(lg - knot, 0.0) for knot in KNOTS),
-                (d > 0).astype(float), d, *(np.maximum(d - knot, 0.0) for knot in KNOTS)]
+                p, d, *(np.maximum(d - knot, 0.0) for knot in KNOTS)]
         return np.stack(cols, axis=-1)
 
     @staticmethod
-    def features_one(target: int, logits: int, drafter: int) -> np.ndarray:
+    def features_one(target: int, logits: int, drafter: int, passes: int) -> np.ndarray:
         """`features` of one step, without numpy's per-call cost on eleven tiny columns."""
         return np.array([1.0, target - logits, logits,
-                         *(max(logits - knot, 0) for knot in KNOTS),
-                         float(drafter > 0), drafter,
+                         *(max(logits - knot, 0) for knot in KNOTS), passes, drafter,
                          *(max(drafter - knot, 0) for knot in KNOTS)], dtype=float)
 
     def predict(self, target: np.ndarray | int, logits: np.ndarray | int,
-                drafter: np.ndarray | int) -> np.ndarray:
-        """Seconds (>= 1 microsecond) for each (target, logit, drafter) row count."""
+                drafter: np.ndarray | int, passes: np.ndarray | int) -> np.ndarray:
+        """Seconds (>= 1 microsecond) for each (target, logit, drafter rows, drafter
+        passes) count."""
         return np.maximum(self.features(np.asarray(target), np.asarray(logits),
-                                        np.asarray(drafter)) @ self.theta, 1e-6)
+                                        np.asarray(drafter), np.asarray(passes))
+                          @ self.theta, 1e-6)
 
-    def predict_one(self, target: int, logits: int, drafter: int) -> float:
-        return max(float(self.features_one(target, logits, drafter) @ self.theta), 1e-6)
+    def predict_one(self, target: int, logits: int, drafter: int, passes: int) -> float:
+        return max(float(self.features_one(target, logits, drafter, passes) @ self.theta),
+                   1e-6)
 
     def predict_optimistic(self, target: np.ndarray, logits: np.ndarray,
-                           drafter: np.ndarray) -> np.ndarray:
+                           drafter: np.ndarray, passes: np.ndarray) -> np.ndarray:
         """Seconds of each step, the first the base: what each adds to the base is
         predicted `optimism` standard deviations low (never below 0). Where no step
         has varied the rows (a batch that never drafts keeps one operating point), the
         slope is unknown and the extra rows look cheap, so the policy tries them and
         measures; once measured, the deviation is small and the mean decides."""
-        x = self.features(target, logits, drafter)
+        x = self.features(target, logits, drafter, passes)
         mean = x @ self.theta
         extra = x - x[0]
         spread = np.sqrt(self.noise_var * ((extra @ self.cov) * extra).sum(axis=1))
         added = np.maximum(mean - mean[0] - self.optimism * spread, 0.0)
         return np.maximum(mean[0] + added, 1e-6)
 
-    def observe(self, target: int, logits: int, drafter: int, seconds: float) -> None:
-        x = self.features_one(target, logits, drafter)
+    def observe(self, target: int, logits: int, drafter: int, passes: int,
+                seconds: float) -> None:
+        x = self.features_one(target, logits, drafter, passes)
         residual = seconds - float(x @ self.theta)
         # The noise is learnt from the residuals before each update, so a step the fit
         # has seen does not make the noise look smaller than it is.
@@ -235,11 +241,19 @@ class StepTimeModel:
 class DraftCosts:
     """Rows the j-th draft of a request adds per step, in steady state (j = 1..K):
     `target[j - 1]` (1: its verification) and `drafter[j - 1]` (all drafter passes and
-    one-row steps), and the drafter rows a request puts in with k = 0."""
+    one-row steps), and the drafter rows a request puts in with k = 0. Also the drafter
+    forward passes a step runs: `passes_base` while its requests draft nothing (dflash:
+    the context pass), `passes_drafting` more once any drafts (dflash: the query pass),
+    and for a sequential method one more one-row step per draft past the first of the
+    deepest request. A pass costs its launch whatever its rows, so one request drafting
+    alone can cost a whole pass."""
 
     target: np.ndarray
     drafter: np.ndarray
     drafter_base: int
+    passes_base: int = 0
+    passes_drafting: int = 0
+    sequential: bool = False
 
     @classmethod
     def for_rule(cls, rule: ThrottleRule) -> DraftCosts:
@@ -248,9 +262,23 @@ class DraftCosts:
         rows = np.array([rule.plan(1 + k, k, k).rows for k in ks], dtype=np.int64)
         target, drafter = rows[:, 0], rows[:, 1:].sum(axis=1)
         method = rule.method
-        if method is not None and method.sequential:  # k - 1 one-row steps
+        sequential = method is not None and method.sequential
+        if sequential:  # k - 1 one-row steps
             drafter = drafter + np.maximum(np.arange(rule.max_k + 1) - 1, 0)
-        return cls(np.diff(target), np.diff(drafter), int(drafter[0]))
+        passes = (rows[:, 1:] > 0).sum(axis=1)
+        drafting = int(passes[1] - passes[0]) if rule.max_k else 0
+        return cls(np.diff(target), np.diff(drafter), int(drafter[0]), int(passes[0]),
+                   drafting, sequential)
+
+    def passes(self, num_sampling: int, draft_index: np.ndarray) -> np.ndarray:
+        """Drafter passes of the step after each prefix of drafts (the first entry: no
+        draft), `draft_index` the 0-based index in its request of each draft added."""
+        base = self.passes_base if num_sampling else 0
+        any_draft = np.concatenate([[0], np.ones(len(draft_index), dtype=np.int64)])
+        got = base + self.passes_drafting * any_draft
+        if self.sequential:
+            got = got + np.concatenate([[0], np.maximum.accumulate(draft_index)])
+        return got
 
 
 class GoodputPolicy:
@@ -296,11 +324,12 @@ class GoodputPolicy:
         g = flat[order]
         j = order % k  # the draft's index in its request (0: the first draft)
         target = num_sampling + np.cumsum(self.costs.target[j])
-        drafter = num_sampling * self.costs.drafter_base + np.cumsum(self.costs.drafter[j])
+        base = num_sampling * self.costs.drafter_base
+        drafter = np.concatenate([[base], base + np.cumsum(self.costs.drafter[j])])
         # Every verification row gives logits, so the target rows here are logit rows.
         rows = np.concatenate([[num_sampling], target])
-        seconds = self.time_model.predict_optimistic(rows, rows, np.concatenate(
-            [[num_sampling * self.costs.drafter_base], drafter]))
+        seconds = self.time_model.predict_optimistic(rows, rows, drafter,
+                                                     self.costs.passes(num_sampling, j))
         # A misfit that predicts less time for more rows must not reward drafting.
         seconds = np.maximum.accumulate(seconds)
         tokens = num_sampling + np.concatenate([[0.0], np.cumsum(g)])
@@ -311,9 +340,10 @@ class GoodputPolicy:
         return float(g[best - 1]) if best > 0 else np.inf
 
     def observe_step(self, verified: list[int], accepted: list[int], states: list[int],
-                     rows: tuple[int, int, int], seconds: float | None) -> None:
+                     rows: tuple[int, int, int, int], seconds: float | None) -> None:
         """What a step's results teach: its verifications (with the state each request
-        was in), and its time if measured, with its (target, logit, drafter) rows."""
+        was in), and its time if measured, with its rows: target, logit, drafter, and
+        the drafter's forward passes."""
         self.acceptance.record(verified, accepted, states)
         if seconds is not None:
             self.time_model.observe(*rows, seconds)

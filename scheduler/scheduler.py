@@ -62,7 +62,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self._predicted_seconds: float | None = None  # of the step last planned
-        self._logit_rows = 0  # of the step last planned: rows that give logits
+        # Of the step last planned: rows that give logits, and the drafter's passes.
+        self._logit_rows = self._drafter_passes = 0
         self._step_record: StepRecord | None = None  # built on the first step
         self._finished_since_last_step: set[str] = set()
 
@@ -366,7 +367,8 @@ class Scheduler:
         target = rows.get("target", 0)
         drafter = sum(rows.values()) - target
         self.policy.observe_step(verified, accepted, states,
-                                 (target, self._logit_rows, drafter), result.step_seconds)
+                                 (target, self._logit_rows, drafter, self._drafter_passes),
+                                 result.step_seconds)
         if result.step_seconds is not None and self._predicted_seconds is not None:
             self.stats.goodput.record_time(self._predicted_seconds, result.step_seconds)
 
@@ -378,12 +380,15 @@ class Scheduler:
         sampling = record.samples[live]
         self.stats.goodput.record_drafts(k[sampling])
         drafter = sum(output.pass_rows.values()) - output.total_num_scheduled_tokens
+        passes = sum(rows > 0 for name, rows in output.pass_rows.items() if name != "target")
         if self.method is not None and self.method.sequential:
             drafter += int(np.maximum(k - 1, 0).sum())
+            passes += max(int(k[sampling].max(initial=0)) - 1, 0)  # its one-row steps
         # Rows that give logits: each sampling chunk's verified drafts and its last row.
         self._logit_rows = int((record.num_spec[live][sampling] + 1).sum())
+        self._drafter_passes = passes
         self._predicted_seconds = self.policy.time_model.predict_one(
-            output.total_num_scheduled_tokens, self._logit_rows, drafter)
+            output.total_num_scheduled_tokens, self._logit_rows, drafter, passes)
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(

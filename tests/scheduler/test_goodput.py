@@ -51,7 +51,8 @@ def policy(method: str, seconds_per_pass: float, seconds_per_row: float,
         target, drafter = (int(np.exp(rng.uniform(0.0, np.log(600)))) for _ in range(2))
         drafter *= i % 2
         logits = int(rng.integers(1, target + 1))  # the clock does not price them apart
-        model.observe(target, logits, drafter, clock({"target": target, "draft": drafter}))
+        model.observe(target, logits, drafter, int(drafter > 0),
+                      clock({"target": target, "draft": drafter}))
     gp = GoodputPolicy(rule, 8192, chosen, model)
     # Each reached draft accepted with probability `acceptance`: the accepted prefix of
     # K drafts is geometric.
@@ -115,7 +116,8 @@ def test_the_time_model_learns_the_clock_it_is_fed() -> None:
     clock = synthetic_step_time(0.01, 0.0005)
     for target, drafter in ((1, 1), (16, 16), (300, 40), (64, 0)):
         expect = clock({"target": target, "draft": drafter})
-        assert float(model.predict(target, target, drafter)) == pytest.approx(expect, rel=0.05)
+        assert float(model.predict(target, target, drafter, int(drafter > 0))) == \
+            pytest.approx(expect, rel=0.05)
 
 
 def test_rows_never_tried_look_cheap_until_measured() -> None:
@@ -127,17 +129,19 @@ def test_rows_never_tried_look_cheap_until_measured() -> None:
     rows = np.array([64, 128])
 
     def added(optimistic: bool) -> float:
-        got = (model.predict_optimistic(rows, rows, np.zeros(2)) if optimistic
-               else model.predict(rows, rows, np.zeros(2)))
+        none = np.zeros(2)
+        got = (model.predict_optimistic(rows, rows, none, none) if optimistic
+               else model.predict(rows, rows, none, none))
         return float(got[1] - got[0])
 
     rng = np.random.default_rng(4)
     for _ in range(200):
-        model.observe(64, 64, 0, 0.016 + 0.001 * 64 + float(rng.normal(0, 0.002)))
+        model.observe(64, 64, 0, 0, 0.016 + 0.001 * 64 + float(rng.normal(0, 0.002)))
     assert added(True) < 0.8 * added(False)
     for _ in range(200):
         decode = int(rng.integers(32, 160))
-        model.observe(decode, decode, 0, 0.016 + 0.001 * decode + float(rng.normal(0, 0.001)))
+        model.observe(decode, decode, 0, 0,
+                      0.016 + 0.001 * decode + float(rng.normal(0, 0.001)))
     assert added(True) == pytest.approx(added(False), rel=0.05)
     assert added(False) == pytest.approx(0.064, rel=0.05)
 
@@ -183,7 +187,7 @@ def test_a_pass_bound_by_its_weights_drafts_everything_worth_a_token() -> None:
     rng = np.random.default_rng(1)
     for step in range(400):
         rows = int(rng.integers(20, 60)) if step % 20 == 0 else int(rng.integers(1, 6))
-        gp.observe_step([], [], [], (rows, rows if rows < 6 else 1, 0),
+        gp.observe_step([], [], [], (rows, rows if rows < 6 else 1, 0, 0),
                         clock(rows) + float(rng.normal(0, 0.001)))
     accepted = np.minimum(rng.geometric(0.6, 400) - 1, K)
     gp.acceptance.record([K] * 400, accepted.tolist())
@@ -207,8 +211,9 @@ def test_cheap_prefill_rows_do_not_make_verification_rows_look_cheap() -> None:
         else:
             decode = 64 + int(rng.integers(0, 64))
             rows = (decode, decode)
-        gp.observe_step([], [], [], (*rows, 0), clock(*rows) + float(rng.normal(0, 0.002)))
-    marginal = float(gp.time_model.predict(101, 101, 0) - gp.time_model.predict(100, 100, 0))
+        gp.observe_step([], [], [], (*rows, 0, 0), clock(*rows) + float(rng.normal(0, 0.002)))
+    model = gp.time_model
+    marginal = float(model.predict(101, 101, 0, 0) - model.predict(100, 100, 0, 0))
     assert marginal == pytest.approx(0.0021, rel=0.15)
     accepted = np.minimum(rng.geometric(0.5, 400) - 1, K)
     gp.acceptance.record([K] * 400, accepted.tolist())
@@ -236,6 +241,46 @@ def test_draft_costs_follow_the_cost_table() -> None:
     assert dflash.drafter.tolist() == [3, 2, 2, 2] and dflash.drafter_base == 1
     eagle = DraftCosts.for_rule(ThrottleRule(get_method("eagle"), K, 4096))
     assert eagle.drafter.tolist() == [1, 2, 2, 2] and eagle.drafter_base == 1
+
+
+def test_draft_costs_count_the_drafter_passes() -> None:
+    """dflash runs its context pass whatever k is and its query pass once any request
+    drafts; eagle runs one pass, then one one-row step per draft past the first of the
+    deepest request; ngram runs none. Drafts added by index 0, 0, 1, 2, 0."""
+    added = np.array([0, 0, 1, 2, 0])
+    dflash = DraftCosts.for_rule(ThrottleRule(get_method("dflash"), K, 4096))
+    assert dflash.passes(3, added).tolist() == [1, 2, 2, 2, 2, 2]
+    assert dflash.passes(0, added[:0]).tolist() == [0]  # nothing samples: no pass
+    eagle = DraftCosts.for_rule(ThrottleRule(get_method("eagle"), K, 4096))
+    assert eagle.passes(3, added).tolist() == [1, 1, 1, 2, 3, 3]
+    ngram = DraftCosts.for_rule(ThrottleRule(get_method("ngram"), K, 4096))
+    assert ngram.passes(3, added).tolist() == [0] * 6
+
+
+def test_a_pass_that_runs_only_for_drafts_is_priced_whole() -> None:
+    """dflash's query pass costs 8 ms whatever its rows, a row 0.1-0.15 ms. One request
+    of 16 alone cannot pay for the pass with its 0.6-likely first draft (0.6 tokens for
+    8 ms, where the step yields 0.5 tokens a ms); the same drafts from all 16 can.
+    Without the pass count, one draft looked like 0.25 ms and was taken."""
+    def clock(rows: tuple[int, int, int, int]) -> float:
+        target, _, drafter, passes = rows
+        return 0.02 + 0.0001 * target + 0.008 * passes + 0.00005 * drafter
+
+    gp = GoodputPolicy(ThrottleRule(get_method("dflash"), K, 4096), 4096)
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        drafting = int(rng.integers(0, 17))
+        rows = (16 + drafting, 16 + drafting, 16 + 3 * drafting, 1 + (drafting > 0))
+        gp.observe_step([], [], [], rows, clock(rows) + float(rng.normal(0, 0.0005)))
+    rates = np.full((NUM_OUTCOMES, K), 0.6)
+    gp.acceptance.reached[:] = 1e6
+    gp.acceptance.accepted[:] = rates * 1e6
+    past, first = history([100] * 16), np.full(16, 60)
+    alone = gp.caps(past, first, np.array([ALL_ACCEPTED] + [NONE_ACCEPTED] * 15),
+                    np.array([K] + [0] * 15))
+    assert alone.tolist() == [0] * 16
+    everyone = gp.caps(past, first, np.full(16, ALL_ACCEPTED), np.full(16, K))
+    assert (everyone >= 1).all()
 
 
 # ---- the scheduler with the policy -------------------------------------------------
