@@ -155,6 +155,25 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def run_passes(model: LlamaForCausalLM, configs: list[tuple[str | None, str, int, str | None]],
+               batch: list[str], max_tokens: int, concurrency: int, repeats: int,
+               warm: bool) -> dict[int, list[dict]]:
+    """Every configuration's runs, by its index: round-robin over the configurations,
+    `repeats` times, each pass starting elsewhere in the list (this machine's speed
+    drifts within a pass too, so a fixed order favours whoever runs in its fast
+    stretch). With `warm`, a first pass, unmeasured, meets every shape once: oneDNN
+    builds a kernel per new row count, so in a cold process whoever runs first would
+    pay the building for everyone after it."""
+    runs_of: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
+    for repeat in range(-1 if warm else 0, repeats):
+        for i in pass_order(len(configs), max(repeat, 0), repeats):
+            method, policy, k, head = configs[i]
+            run = run_one(model, method, batch, k, max_tokens, head, concurrency, policy)
+            if repeat >= 0:
+                runs_of[i].append(run)
+    return runs_of
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
@@ -208,21 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
             configs += [(method, policy, k, head)
                         for method in methods for policy, k in runs
                         for head in head_variants(method, path, not args.no_random_heads)]
-            # Round-robin over the configurations, `--repeats` times, each pass starting
-            # elsewhere in the list (this machine's speed drifts within a pass too, so a
-            # fixed order favours whoever runs in its fast stretch); each figure is the
-            # median.
-            # A first pass, unmeasured, meets every shape once: oneDNN builds a kernel
-            # per new row count, so in a cold process whoever runs first would pay the
-            # building for everyone after it.
-            runs_of: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
-            warm = args.warm_pass and not args.quick
-            for repeat in range(-1 if warm else 0, args.repeats):
-                for i in pass_order(len(configs), max(repeat, 0), args.repeats):
-                    method, policy, k, head = configs[i]
-                    run = run_one(model, method, batch, k, max_tokens, head, conc, policy)
-                    if repeat >= 0:
-                        runs_of[i].append(run)
+            runs_of = run_passes(model, configs, batch, max_tokens, conc, args.repeats,
+                                 args.warm_pass and not args.quick)
             base = _median_row(runs_of[0])
             for i, (_, policy, k, _head) in enumerate(configs):
                 row = base if i == 0 else _median_row(runs_of[i])

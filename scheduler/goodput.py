@@ -12,10 +12,10 @@ Two online estimates, both owned here and both injectable (tests seed them):
   that accepts everything drafts the most), and a request with little history gets a
   little optimism, so the estimates keep learning.
 - `StepTimeModel`: the seconds of a step as a function of its target rows, how many of
-  them give logits, and its drafter rows (affine, with hinges where the forward turns
-  compute-bound), fitted as a ridge
-  regression toward a prior by drafter kind on the step times the runner reports,
-  older steps weighing less.
+  them give logits, its drafter rows and drafter passes (affine, with hinges where the
+  forward turns compute-bound), fitted as a ridge regression toward a prior by drafter
+  kind on the step times the runner reports, older steps weighing less; rows never
+  tried are priced optimistically, so the policy tries them.
 
 `GoodputPolicy.caps` turns them into a cap on k per running request: in steady state a
 request proposing k drafts puts 1 + k rows in the target pass and the method's rows in
@@ -130,11 +130,12 @@ class AcceptanceEstimates:
         return ((self.accepted.sum(axis=0) + s.prior_weight * s.prior_acceptance)
                 / (self.reached.sum(axis=0) + s.prior_weight))
 
-    def position_rates(self) -> np.ndarray:
+    def position_rates(self, pooled: np.ndarray | None = None) -> np.ndarray:
         """[NUM_OUTCOMES, K] per state of the last verification, shrunk toward the pooled
-        rates (a state seen rarely says little)."""
+        rates (a state seen rarely says little; `pooled`: `pooled_rates()` if known)."""
         weight = self.settings.prior_weight
-        return (self.accepted + weight * self.pooled_rates()) / (self.reached + weight)
+        pooled = self.pooled_rates() if pooled is None else pooled
+        return (self.accepted + weight * pooled) / (self.reached + weight)
 
     def request_rates(self, verifications: np.ndarray, first_accepted: np.ndarray,
                       states: np.ndarray) -> np.ndarray:
@@ -144,8 +145,9 @@ class AcceptanceEstimates:
         verification reaches the first draft, so the ratio is fair), shrunk toward 1 by
         `request_weight` pseudo-verifications; plus optimism for little history."""
         s = self.settings
-        rates = self.position_rates()
-        first = float(self.pooled_rates()[0]) if rates.shape[1] else 0.0
+        pooled = self.pooled_rates()
+        rates = self.position_rates(pooled)
+        first = float(pooled[0]) if rates.shape[1] else 0.0
         pseudo = s.request_weight * first
         expected = verifications @ rates[:, 0] if rates.shape[1] else 0.0
         scale = (first_accepted + pseudo) / (expected + pseudo) if first > 0 else 1.0

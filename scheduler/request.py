@@ -168,10 +168,6 @@ class Request:
             self.last_outcome = outcome(verified, accepted)
 
     @property
-    def num_verifications(self) -> int:
-        return sum(self.verifications_by_state)
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
