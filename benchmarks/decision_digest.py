@@ -7,7 +7,11 @@ priorities, stop tokens and aborts through the Scheduler and a seeded SimulatedR
 (the strict one: each pass checked against B). Every SchedulerOutput (order included)
 and every update is hashed. Run it on two commits and compare the digests:
 
-    python benchmarks/decision_digest.py [--cases N] [--quick] [--out PATH]
+    python benchmarks/decision_digest.py [--cases N] [--quick] [--out PATH] [--no-park]
+
+`--no-park` runs every method with `park_drafter=False`: the decisions of commits from
+before requests could be parked (whose digest the default run no longer matches:
+a parked request charges its drafter passes nothing).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def _decisions(out: SchedulerOutput) -> str:
                  out.scheduled_cached_reqs, out.scheduled_spec_decode_tokens))
 
 
-def replay_case(rng: random.Random, digest: hashlib._Hash) -> None:
+def replay_case(rng: random.Random, digest: hashlib._Hash, park: bool = True) -> None:
     method = rng.choice([None, *METHODS])
     k = rng.randint(1, 5)
     chunked = rng.random() < 0.7
@@ -56,8 +60,8 @@ def replay_case(rng: random.Random, digest: hashlib._Hash) -> None:
     budget = budget if chunked else max(budget, 128)
     policy, blocks = rng.choice(["fcfs", "priority"]), rng.choice([40, 60, 400])
     threshold, fit, seed = rng.choice([0, 2, 16]), rng.random() < 0.3, rng.randrange(1000)
-    spec = SpeculativeConfig(method, k, draft_policy="fit" if fit else "fixed") \
-        if method else None
+    spec = SpeculativeConfig(method, k, draft_policy="fit" if fit else "fixed",
+                             park_drafter=park) if method else None
     sched = Scheduler(SchedulerConfig(budget, 6, 128, chunked, policy,
                                       long_prefill_token_threshold=threshold),
                       CacheConfig(block_size=4, num_blocks=blocks), spec)
@@ -83,13 +87,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser = bench_parser(__doc__, DEFAULT_OUT)
     parser.add_argument("--cases", type=int, default=300)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--no-park", action="store_true",
+                        help="park_drafter=False for every method (see the docstring)")
     args = parser.parse_args(argv)
     cases = 20 if args.quick else args.cases
     rng, digest = random.Random(args.seed), hashlib.sha256()
     for _ in range(cases):
-        replay_case(rng, digest)
+        replay_case(rng, digest, park=not args.no_park)
     report = {"cases": cases, "seed": args.seed, "steps_per_case": STEPS,
-              "digest": digest.hexdigest()}
+              "park_drafter": not args.no_park, "digest": digest.hexdigest()}
     write_report(out_path(args, DEFAULT_OUT), report)
     print(report["digest"])
     return report

@@ -43,7 +43,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import bench_parser, out_path, write_report  # noqa: E402
-from benchmarks.vllm_rules import FlatChargeRule, StaticReservationRule  # noqa: E402
+from benchmarks.vllm_rules import (  # noqa: E402
+    FlatChargeRule,
+    StaticReservationRule,
+    vllm_spec,
+)
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
@@ -127,7 +131,9 @@ def parse_configs(text: str) -> list[tuple[str, str]]:
 def run_rule(model: LlamaForCausalLM, spec: SpeculativeConfig, rule_name: str,
              prompts: list[list[int]], work: Workload, eos: int | None) -> dict:
     """One drained run with one rule (and the spec's draft policy); per-request outputs
-    included for the check."""
+    included for the check. vLLM's rules run with the drafter following every chunk."""
+    if rule_name != "ours":
+        spec = vllm_spec(spec)
     config = EngineConfig(max_num_batched_tokens=work.budget, max_num_seqs=work.max_num_seqs,
                           max_model_len=work.max_model_len, speculative_config=spec,
                           num_kv_blocks=work.max_num_seqs * work.max_model_len // 16 + 16)

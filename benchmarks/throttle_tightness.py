@@ -30,6 +30,7 @@ from benchmarks.vllm_rules import (  # noqa: E402
     FlatChargeRule,
     StaticReservationRule,
     per_request_reservation,
+    vllm_spec,
 )
 from engine.simulate import WorkloadConfig, make_workload, run_simulation  # noqa: E402
 from runner.simulated import SimulatedRunner  # noqa: E402
@@ -115,6 +116,8 @@ def make_rule(name: str, spec: SpeculativeConfig, max_num_seqs: int) -> Throttle
 def run_seed(spec: SpeculativeConfig, budget: int, max_num_seqs: int, rule_name: str,
              workload: WorkloadConfig, seed: int) -> tuple[StepLog, int, int]:
     """One drained run: its step log, steps to drain and preemptions."""
+    if rule_name != "ours":
+        spec = vllm_spec(spec)
     scheduler = Scheduler(SchedulerConfig(budget, max_num_seqs, MAX_MODEL_LEN),
                           CacheConfig(num_blocks=NUM_BLOCKS), spec,
                           rule=make_rule(rule_name, spec, max_num_seqs))

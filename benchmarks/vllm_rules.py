@@ -51,11 +51,20 @@ def per_request_reservation(method: str, k: int) -> int:
     return int(_VLLM_S[method](k))
 
 
+def vllm_spec(spec: SpeculativeConfig) -> SpeculativeConfig:
+    """`spec` with the drafter following every chunk, as vLLM's does: the rules below
+    never park a request (a parked request's catch-up rows would widen a drafter
+    pass they do not charge), and the runner must build what they charge."""
+    return replace(spec, park_drafter=False)
+
+
 class _ReservingRule(ThrottleRule):
     """Shared setup: our cost table and k rule, plus vLLM's per-method constant S."""
 
     def __init__(self, spec: SpeculativeConfig, max_model_len: int) -> None:
-        super().__init__(spec.spec_method, spec.num_speculative_tokens, max_model_len)
+        # vLLM's drafter follows every chunk (run them with `vllm_spec`).
+        super().__init__(spec.spec_method, spec.num_speculative_tokens, max_model_len,
+                         parks=False)
         self.reservation = per_request_reservation(spec.method, spec.num_speculative_tokens)
 
     def target_budget(self, max_num_batched_tokens: int) -> int:
@@ -95,6 +104,7 @@ class FlatChargeRule(_ReservingRule):
     shrinks by S rather than overshoot B (the benchmark still counts any overshoot).
     """
 
-    def plan(self, n: int, num_spec: int, k: int) -> ChunkPlan:
-        plan = super().plan(n, num_spec, k)
+    def plan(self, n: int, num_spec: int, k: int, behind: int = 0,
+             samples: bool = True) -> ChunkPlan:
+        plan = super().plan(n, num_spec, k, behind, samples)
         return replace(plan, rows=(plan.rows[0] + self.reservation, *plan.rows[1:]))

@@ -140,6 +140,7 @@ class ModelDrafter:
                  buffers: StepBuffers, states: RequestStates, block_size: int,
                  attn: AttentionBackend, max_num_batched_tokens: int) -> None:
         self.method = spec.spec_method
+        self.parks = spec.parks
         self.net = net
         self.buffers, self.states, self.block_size, self.attn = buffers, states, block_size, attn
         cfg = self.net.config
@@ -149,18 +150,29 @@ class ModelDrafter:
                                   dtype=weight.dtype, device=weight.device)  # [B, H]
         self.mask_id = int(spec.options.get("mask_token_id", 0))
         self.kv_caches: list[KVCache] = []
+        # The target's features at every KV slot a parked request computed, for the
+        # rows that catch up when it drafts again (a head's input; a draft LM reads
+        # tokens only and keeps none). Paged like the KV, in the same blocks.
+        self.feature_dim = len(net.aux_layer_ids) * target.config.hidden_size
+        self.feature_cache: torch.Tensor | None = None  # [num_blocks * block_size, F]
 
     def kv_bytes_per_block(self) -> int:
         cfg = self.net.config
+        features = (self.block_size * self.feature_dim * self.hidden.element_size()
+                    if self.parks else 0)
         return kv_bytes_per_block(self.net.num_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                  self.block_size, self.hidden.dtype)
+                                  self.block_size, self.hidden.dtype) + features
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         cfg = self.net.config
         shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.hidden.dtype, device=self.hidden.device),
-                           torch.zeros(shape, dtype=self.hidden.dtype, device=self.hidden.device))
+        dtype, device = self.hidden.dtype, self.hidden.device
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(self.net.num_layers)]
+        if self.feature_dim and self.parks:
+            self.feature_cache = torch.zeros(num_blocks * self.block_size, self.feature_dim,
+                                             dtype=dtype, device=device)
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -186,9 +198,31 @@ class ModelDrafter:
         checked before the step wrote anything; now filled with what verification
         left, and checked again so that no request reads outside its own rows.
         """
+        if planned.parked is not None and planned.parked.any():
+            self._stash_features(res, target_features, planned.parked)
         by_index = self._draft(res, target_features, planned)
         return {req_ids[i]: drafts[:int(res.num_draft_tokens[i])]
                 for i, drafts in by_index.items()}
+
+    def _stash_features(self, res: StepResult, target_features: torch.Tensor,
+                        parked: np.ndarray) -> None:
+        """Keep the target's features of each parked request's valid rows (positions
+        c .. c + L - 1) in the feature cache, at their KV slots."""
+        if self.feature_cache is None:
+            return
+        reqs = np.flatnonzero(parked & (res.valid > 0))
+        counts = res.valid[reqs]
+        offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        positions = np.repeat(res.computed[reqs], counts) + offset
+        src = np.repeat(res.q_start[reqs], counts) + offset
+        slots = self._slots(np.repeat(res.rows[reqs], counts), positions)
+        device = self.feature_cache.device
+        self.feature_cache[torch.as_tensor(slots, device=device)] = \
+            target_features[torch.as_tensor(src, device=device)]
+
+    def _slots(self, state_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        blocks = self.states.block_table[state_rows, positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
 
     def _draft(self, res: StepResult, target_features: torch.Tensor,
                planned: StepRows) -> dict[int, list[int]]:
@@ -198,7 +232,8 @@ class ModelDrafter:
         passes = [fill_pass(rows, res, self.states.token_ids, self.mask_id)
                   for rows in planned.passes]
         for draft_pass in passes:
-            check_filled(self.method.name, draft_pass, res.q_start, res.num_scheduled)
+            check_filled(self.method.name, draft_pass, res.q_start, res.num_scheduled,
+                         res.computed)
         for draft_pass in passes:
             if draft_pass.num_rows == 0:
                 continue
@@ -227,7 +262,7 @@ class ModelDrafter:
             starts[reqs] = positions
             step = DraftPass(f"step_{j}", reqs, positions, tokens,
                              np.full(len(reqs), MASK_ROW), one_row, starts,
-                             np.arange(len(reqs)), one_row)
+                             np.arange(len(reqs)), one_row, np.zeros(len(reqs), dtype=bool))
             hidden = torch.stack([last_hidden[int(r)] for r in reqs])
             out = self._run(step, res, hidden, direct_hidden=True)
             tokens_out = self.net.greedy_tokens(out).tolist()
@@ -243,10 +278,25 @@ class ModelDrafter:
         if direct_hidden:
             self.hidden[:rows] = hidden_in
         else:
-            self.net.write_context_hidden(self.hidden[:rows], hidden_in, draft_pass.hidden_src)
+            features, src = self._with_cached(draft_pass, res, hidden_in)
+            self.net.write_context_hidden(self.hidden[:rows], features, src)
         ids = self.buffers.input_ids.copy_to_device(rows)
         pos = self.buffers.positions.copy_to_device(rows)
         return self.net(ids, self.hidden[:rows], pos, self.kv_caches, meta, self.attn)
+
+    def _with_cached(self, draft_pass: DraftPass, res: StepResult, features: torch.Tensor
+                     ) -> tuple[torch.Tensor, np.ndarray]:
+        """The features a pass reads and each row's source in them: this step's target
+        rows, then the cached features of its catch-up rows (appended after them)."""
+        cached = np.flatnonzero(draft_pass.cached)
+        if not len(cached) or self.feature_cache is None:
+            return features, draft_pass.hidden_src
+        slots = self._slots(res.rows[draft_pass.req_index[cached]],
+                            draft_pass.positions[cached])
+        stored = self.feature_cache[torch.as_tensor(slots, device=features.device)]
+        src = draft_pass.hidden_src.copy()
+        src[cached] = len(features) + np.arange(len(cached))
+        return torch.cat([features, stored.to(features.dtype)]), src
 
     def _write(self, draft_pass: DraftPass, res: StepResult) -> AttentionMetadata:
         """Fill the step buffers for one pass (requests with no rows are left out)."""
@@ -258,9 +308,7 @@ class ModelDrafter:
         positions = draft_pass.positions
         buffers.input_ids.np[:rows] = draft_pass.token_ids
         buffers.positions.np[:rows] = positions
-        token_rows = res.rows[draft_pass.req_index]
-        blocks = self.states.block_table[token_rows, positions // self.block_size]
-        buffers.slot_mapping.np[:rows] = blocks * self.block_size + positions % self.block_size
+        buffers.slot_mapping.np[:rows] = self._slots(res.rows[draft_pass.req_index], positions)
         num = len(active)
         buffers.query_start_loc.np[0] = 0
         buffers.query_start_loc.np[1:num + 1] = np.cumsum(per_req)

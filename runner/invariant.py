@@ -33,6 +33,15 @@ class StepFacts:
     max_tokens: np.ndarray  # [R]
     num_spec: np.ndarray  # [R] s: drafts verified this step
     kv_slots: np.ndarray | None = None  # [R] KV slots allocated once this step's blocks land
+    # [R] positions the drafter's own KV holds (w <= c; below c while parked); None: c
+    drafter_computed: np.ndarray | None = None
+
+    @property
+    def behind(self) -> np.ndarray:
+        """[R] rows each request's drafter skipped while parked: c - w."""
+        if self.drafter_computed is None:
+            return np.zeros_like(self.num_computed)
+        return self.num_computed - self.drafter_computed
 
 
 def allowed_drafts(facts: StepFacts, n: np.ndarray, max_k: int,
@@ -47,20 +56,27 @@ def allowed_drafts(facts: StepFacts, n: np.ndarray, max_k: int,
 
 def check_step(method: SpecMethod | None, out: SchedulerOutput, req_ids: list[str],
                n: np.ndarray, k: np.ndarray, facts: StepFacts, max_k: int,
-               max_model_len: int, max_num_batched_tokens: int) -> StepRows:
+               max_model_len: int, max_num_batched_tokens: int, parks: bool = False
+               ) -> StepRows:
     """All of the runner's pre-write checks; the assembled rows to fill afterwards.
 
     `max_num_batched_tokens` is the runner's own B, the one its buffers were sized
-    by: a SchedulerOutput declaring a larger B is held to the runner's."""
+    by: a SchedulerOutput declaring a larger B is held to the runner's. `parks`: the
+    runner's own `SpeculativeConfig.parks`."""
     name = method.name if method else None
     check_draft_counts(name, req_ids, k, allowed_drafts(facts, n, max_k, max_model_len))
-    step = plan_step_rows(method, n, k)
+    behind = facts.behind
+    _check_behind(name, req_ids, behind)
+    samples = facts.num_computed + n >= facts.num_tokens
+    step = plan_step_rows(method, n, k, behind if parks else None, samples if parks else None)
     last = facts.num_computed + n - 1  # the target pass's last position per request
     bounds = [("target", last)]
     if method is not None:
         for rows in step.passes:
-            # Worst case L = n: a pass without context rows starts at c + n.
-            first = facts.num_computed + (0 if rows.recipe.context else n)
+            # Worst case L = n: a pass without context rows starts at c + n; one with
+            # them at c - b (b rows caught up).
+            first = (facts.num_computed - behind if rows.recipe.context
+                     else facts.num_computed + n)
             bounds.append((rows.name, np.where(rows.rows > 0, first + rows.rows - 1, -1)))
         if method.sequential:
             shift = method.recipes[0].shift
@@ -71,6 +87,16 @@ def check_step(method: SpecMethod | None, out: SchedulerOutput, req_ids: list[st
     for pass_name, last_pos in bounds:
         _check_positions(name, pass_name, req_ids, last_pos, facts, max_model_len)
     return step
+
+
+def _check_behind(method: str | None, req_ids: list[str], behind: np.ndarray) -> None:
+    """A drafter never holds positions its target has not computed (w <= c)."""
+    bad = np.flatnonzero(behind < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise BudgetInvariantError(
+            f"method={method or 'none'}: request {req_ids[i]!r}'s drafter is "
+            f"{-int(behind[i])} positions ahead of its target")
 
 
 def _check_positions(method: str | None, pass_name: str, req_ids: list[str],
@@ -134,9 +160,11 @@ def check_draft_counts(method: str | None, req_ids: list[str], declared: np.ndar
 
 
 def check_filled(method: str, draft_pass: DraftPass, q_start: np.ndarray,
-                 num_scheduled: np.ndarray) -> None:
-    """Rows read for drafts lie in their own request's slice of the pass, and rows
-    conditioned on the target read its hidden states from their own request's rows."""
+                 num_scheduled: np.ndarray, computed: np.ndarray | None = None) -> None:
+    """Rows read for drafts lie in their own request's slice of the pass, rows
+    conditioned on the target read its hidden states from their own request's rows,
+    and catch-up rows read cached features only below c (`computed`), where the
+    target wrote them in earlier steps."""
     readout, slice_start = draft_pass.readout, draft_pass.slice_starts
     # Each request's reads are request-major: the i-th read belongs to `readers[i]`.
     readers = np.repeat(np.arange(len(slice_start)), draft_pass.reads_per_req)
@@ -154,4 +182,10 @@ def check_filled(method: str, draft_pass: DraftPass, q_start: np.ndarray,
         raise BudgetInvariantError(
             f"method={method}: pass {draft_pass.name!r} reads target hidden states "
             "outside its request's rows")
+    cached = draft_pass.cached
+    if (cached & conditioned).any() or (
+            computed is not None and (draft_pass.positions[cached] >= computed[req[cached]]).any()):
+        raise BudgetInvariantError(
+            f"method={method}: pass {draft_pass.name!r} reads cached target features at "
+            "positions its target has not computed before this step")
 

@@ -211,6 +211,7 @@ class ModelRunner:
                         dtype=np.int64)
         tokens, prompt = states.num_tokens[rows], states.num_prompt[rows]
         computed, limit = states.num_computed[rows], states.max_tokens[rows]
+        drafter = states.num_drafter_computed[rows]
         blocks = states.num_blocks[rows] + np.array([new_blocks.get(rid, 0) for rid in req_ids],
                                                     dtype=np.int64)
         for i, rid in enumerate(req_ids):
@@ -219,10 +220,11 @@ class ModelRunner:
                 prompt[i] = len(data.prompt_token_ids)
                 tokens[i] = prompt[i] + len(data.output_token_ids)
                 computed[i], limit[i] = data.num_computed_tokens, data.sampling_params.max_tokens
+                drafter[i] = data.num_drafter_computed_tokens
                 blocks[i] = len(data.block_ids)
         spec = out.scheduled_spec_decode_tokens
         s = np.array([len(spec.get(rid, ())) for rid in req_ids], dtype=np.int64)
-        return StepFacts(tokens, prompt, computed, limit, s, blocks * self.block_size)
+        return StepFacts(tokens, prompt, computed, limit, s, blocks * self.block_size, drafter)
 
     def _check_step(self, out: SchedulerOutput, req_ids: list[str], n: np.ndarray,
                     k: np.ndarray) -> StepRows:
@@ -231,7 +233,8 @@ class ModelRunner:
                              self._step_facts(out, req_ids),
                              spec.num_speculative_tokens if spec else 0,
                              self.scheduler_config.max_model_len,
-                             self.scheduler_config.max_num_batched_tokens)
+                             self.scheduler_config.max_num_batched_tokens,
+                             bool(spec and spec.parks))
         self.last_pass_rows = planned.counts
         return planned
 
@@ -268,7 +271,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[logits_idx])  # [num_logits, V]
         with self._phase("sample"):
             emitted, logprobs = self._sample(step, logits, spec)
-            result = self._record(step, computed, emitted, k)
+            result = self._record(step, computed, emitted, k, planned)
         with self._phase("draft"):
             drafts = (self.spec.propose(result, features, req_ids, planned)
                       if self.spec else {})
@@ -371,8 +374,9 @@ class ModelRunner:
         return result
 
     def _record(self, step: PreparedStep, computed: np.ndarray, emitted: list[list[int]],
-                k: np.ndarray) -> StepResult:
-        """Write emitted tokens into the rows; describe the step for the drafter."""
+                k: np.ndarray, planned: StepRows) -> StepResult:
+        """Write emitted tokens into the rows; describe the step for the drafter (whose
+        KV now holds every valid position, unless the request is parked)."""
         states = self.states
         samples = step.samples
         sampling_rows = step.rows[samples]
@@ -386,7 +390,11 @@ class ModelRunner:
         valid = step.num_scheduled.copy()
         valid[samples] += counts - 1 - step.num_spec[samples]  # L = n - s + accepted
         states.num_computed[step.rows] = computed + valid
+        followed = step.rows if planned.parked is None else step.rows[~planned.parked]
+        states.num_drafter_computed[followed] = states.num_computed[followed]
         q_start = np.concatenate(([0], np.cumsum(step.num_scheduled)[:-1]))
+        catch_up = (planned.catch_up if planned.catch_up is not None
+                    else np.zeros_like(computed))
         return StepResult(rows=step.rows, computed=computed, num_scheduled=step.num_scheduled,
                           q_start=q_start, valid=valid, samples=samples,
-                          num_draft_tokens=np.where(samples, k, 0))
+                          num_draft_tokens=np.where(samples, k, 0), catch_up=catch_up)

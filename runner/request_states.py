@@ -23,6 +23,9 @@ class RequestStates:
         self.num_prompt = np.zeros(max_num_seqs, dtype=np.int64)
         self.max_tokens = np.zeros(max_num_seqs, dtype=np.int64)  # the runner's own copy
         self.num_computed = np.zeros(max_num_seqs, dtype=np.int64)
+        # Positions the drafter's own KV holds: c, or less while the request is parked
+        # (the runner's own count, against which it builds the catch-up rows).
+        self.num_drafter_computed = np.zeros(max_num_seqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
         self.temperature = np.zeros(max_num_seqs, dtype=np.float32)
@@ -57,6 +60,7 @@ class RequestStates:
         self.num_prompt[row] = len(new.prompt_token_ids)
         self.max_tokens[row] = new.sampling_params.max_tokens
         self.num_computed[row] = new.num_computed_tokens
+        self.num_drafter_computed[row] = new.num_drafter_computed_tokens
         self.num_blocks[row] = 0
         self._append_blocks(row, new.block_ids)
         params = new.sampling_params

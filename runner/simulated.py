@@ -23,7 +23,7 @@ import numpy as np
 
 from runner.invariant import StepFacts, check_filled, check_step
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
-from spec_decode.passes import PassRows, StepResult, fill_pass, sequential_positions
+from spec_decode.passes import StepResult, StepRows, fill_pass, sequential_positions
 
 if TYPE_CHECKING:
     from scheduler.scheduler import Scheduler
@@ -35,6 +35,7 @@ class _ReqState:
     num_prompt: int
     max_tokens: int
     num_blocks: int
+    num_drafter_computed: int  # positions its drafter holds (below c while parked)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class SimulatedRunner:
         self.step_time = step_time
         self.max_model_len = scheduler.config.max_model_len
         self.max_k = spec.num_speculative_tokens if spec else 0
+        self.parks = bool(spec and spec.parks)
         self.block_size = scheduler.cache_config.block_size
         self.max_num_batched_tokens = scheduler.config.max_num_batched_tokens
         self.reqs: dict[str, _ReqState] = {}
@@ -88,16 +90,16 @@ class SimulatedRunner:
                 prompt = len(data.prompt_token_ids)
                 columns.append((prompt + len(data.output_token_ids), prompt,
                                 data.num_computed_tokens, data.sampling_params.max_tokens,
-                                len(data.block_ids)))
+                                len(data.block_ids), data.num_drafter_computed_tokens))
             else:
                 st = self.reqs[rid]
                 columns.append((st.num_tokens, st.num_prompt, st.num_computed, st.max_tokens,
-                                st.num_blocks + new_blocks.get(rid, 0)))
-        arr = np.array(columns, dtype=np.int64).reshape(len(req_ids), 5)
+                                st.num_blocks + new_blocks.get(rid, 0), st.num_drafter_computed))
+        arr = np.array(columns, dtype=np.int64).reshape(len(req_ids), 6)
         spec = out.scheduled_spec_decode_tokens
         s = np.array([len(spec.get(rid, ())) for rid in req_ids], dtype=np.int64)
         slots = arr[:, 4] * self.block_size
-        return StepFacts(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], s, slots)
+        return StepFacts(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], s, slots, arr[:, 5])
 
     def _sync(self, out: SchedulerOutput) -> None:
         for rid in out.finished_req_ids | out.preempted_req_ids:
@@ -106,7 +108,8 @@ class SimulatedRunner:
             prompt = len(new.prompt_token_ids)
             self.reqs[new.req_id] = _ReqState(
                 prompt + len(new.output_token_ids), new.num_computed_tokens, prompt,
-                new.sampling_params.max_tokens, len(new.block_ids))
+                new.sampling_params.max_tokens, len(new.block_ids),
+                new.num_drafter_computed_tokens)
         cached = out.scheduled_cached_reqs
         for rid, block_ids, computed in zip(cached.req_ids, cached.new_block_ids,
                                             cached.num_computed_tokens):
@@ -120,45 +123,49 @@ class SimulatedRunner:
         k = np.array([out.num_draft_tokens.get(r, 0) for r in req_ids], dtype=np.int64)
         facts = self._facts(out, req_ids)
         planned = check_step(self.method, out, req_ids, n, k, facts, self.max_k,
-                             self.max_model_len, self.max_num_batched_tokens)
+                             self.max_model_len, self.max_num_batched_tokens, self.parks)
         self._sync(out)
         sampled: list[list[int]] = []
         drafts: dict[str, list[int]] = {}
         valid = n.copy()
+        parked = planned.parked if planned.parked is not None else np.zeros(len(n), dtype=bool)
         for i, rid in enumerate(req_ids):
             state = self.reqs[rid]
             verified = int(facts.num_spec[i])
             if state.num_computed + n[i] < state.num_tokens:
                 sampled.append([])  # a prefill chunk that stops short of sampling
                 state.num_computed += int(n[i])
-                continue
-            tokens = self._verify(out.scheduled_spec_decode_tokens.get(rid, []))
-            sampled.append(tokens)
-            valid[i] = n[i] - verified + len(tokens) - 1
-            state.num_computed += int(valid[i])
-            state.num_tokens += len(tokens)
-            if k[i]:
-                drafts[rid] = self.propose(rid, int(k[i]))[:int(k[i])]
-        self.last_step = self._build(planned.passes, facts, n, k, valid,
+            else:
+                tokens = self._verify(out.scheduled_spec_decode_tokens.get(rid, []))
+                sampled.append(tokens)
+                valid[i] = n[i] - verified + len(tokens) - 1
+                state.num_computed += int(valid[i])
+                state.num_tokens += len(tokens)
+                if k[i]:
+                    drafts[rid] = self.propose(rid, int(k[i]))[:int(k[i])]
+            if not parked[i]:
+                state.num_drafter_computed = state.num_computed
+        self.last_step = self._build(planned, facts, n, k, valid,
                                      np.array([bool(t) for t in sampled], dtype=bool))
         seconds = self.step_time(planned.counts) if self.step_time else None
         return ModelRunnerOutput(req_ids, sampled, drafts, pass_rows=planned.counts,
                                  step_seconds=seconds)
 
-    def _build(self, planned: list[PassRows], facts: StepFacts, n: np.ndarray, k: np.ndarray,
+    def _build(self, planned: StepRows, facts: StepFacts, n: np.ndarray, k: np.ndarray,
                valid: np.ndarray, samples: np.ndarray) -> BuiltStep:
         """Every pass's rows, filled as the model runner fills them, and checked."""
         c = facts.num_computed
         starts = np.cumsum(n) - n
+        catch_up = planned.catch_up if planned.catch_up is not None else np.zeros_like(c)
         res = StepResult(np.arange(len(n)), c, n, starts, valid, samples,
-                         np.where(samples, k, 0))
+                         np.where(samples, k, 0), catch_up)
         step = BuiltStep({"target": np.repeat(c - starts, n) + np.arange(int(n.sum()))})
         method = self.method
         if method is None:
             return step
-        for rows in planned:
+        for rows in planned.passes:
             draft_pass = fill_pass(rows, res, None, 0)
-            check_filled(method.name, draft_pass, res.q_start, n)
+            check_filled(method.name, draft_pass, res.q_start, n, c)
             step.passes[draft_pass.name] = draft_pass.positions
         if method.sequential:
             for j in range(1, int(res.num_draft_tokens.max(initial=0))):

@@ -19,6 +19,9 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    # Cached while its request's drafter held it too (False: filled while the request
+    # was parked, so its drafter slots are stale; its target features are cached).
+    drafter_computed: bool = True
 
 
 class BlockPool:

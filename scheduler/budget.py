@@ -6,8 +6,10 @@ step_record.py), so a policy can be computed and tested without touching state.
 
 One step runs the target pass and each drafter pass of the method; every one starts
 with B = max_num_batched_tokens rows. A request scheduled with n tokens that proposes
-k drafts puts n rows in the target pass and `method.rows(n, k)` in the drafter's (the
-method's cost table, spec_decode/methods/).
+k drafts puts n rows in the target pass and `method.rows(n, k, context)` in the
+drafter's (the method's cost table, spec_decode/methods/), where `context` is n, or,
+under a method that parks, 0 for a sampling chunk with k = 0 and n + b for a request
+that drafts b rows behind (`context_rows`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from functools import cached_property
 import numpy as np
 
 from spec_decode import SpecMethod, SpeculativeConfig, min_decode_rows
+from spec_decode.methods import context_rows
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,14 @@ class RequestView:
     num_output_tokens: int
     max_tokens: int
     max_drafts: int = 1 << 30  # the draft policy's cap on k (goodput); the rule's k below it
+    num_drafter_computed: int | None = None  # positions its drafter holds; None: all computed
+
+    @property
+    def behind(self) -> int:
+        """Rows its drafter skipped while parked, caught up when it drafts."""
+        if self.num_drafter_computed is None:
+            return 0
+        return self.num_computed_tokens - self.num_drafter_computed
 
 
 def k_rule(max_k: int, max_model_len: int, num_tokens: Counts, num_output: Counts,
@@ -69,7 +80,7 @@ class ThrottleRule:
     """Rows charged per pass for a chunk; swapped for vLLM's rules in benchmarks."""
 
     def __init__(self, method: SpecMethod | None, max_k: int, max_model_len: int,
-                 adaptive: bool = False) -> None:
+                 adaptive: bool = False, parks: bool = True) -> None:
         self.method = method
         self.max_k = max_k if method is not None else 0
         self.max_model_len = max_model_len
@@ -77,6 +88,9 @@ class ThrottleRule:
         self.adaptive = adaptive
         self.context = (True,) + (method.context_passes if method else ())
         self.pass_names = ("target",) + (method.pass_names if method else ())
+        # A sampling chunk with k = 0 is parked (`SpeculativeConfig.parks`); False: the
+        # drafter follows every chunk.
+        self.parks = parks and method is not None and method.parks
 
     @property
     def num_passes(self) -> int:
@@ -103,20 +117,26 @@ class ThrottleRule:
         form, and the scheduler then plans every request with `plan_chunk`.
         """
         ks = range(self.max_k + 1)
-        one = np.array([self.plan(1, 0, k).rows for k in ks], dtype=np.int64)
-        two = np.array([self.plan(2, 0, k).rows for k in ks], dtype=np.int64)
+        # Rows of a request that follows (samples=False: never parked); the bulk plan
+        # parks and adds catch-up rows itself.
+        one = np.array([self.plan(1, 0, k, samples=False).rows for k in ks], dtype=np.int64)
+        two = np.array([self.plan(2, 0, k, samples=False).rows for k in ks], dtype=np.int64)
         ctx = two[0] - one[0]
         if not (np.all(two - one == ctx) and np.isin(ctx, (0, 1)).all()):
             return None
         lookahead = np.array([self.plan(1, 0, k).lookahead for k in ks], dtype=np.int64)
         return ctx, one - ctx, lookahead
 
-    def plan(self, n: int, num_spec: int, k: int) -> ChunkPlan:
-        """The method's cost table, target pass first."""
+    def plan(self, n: int, num_spec: int, k: int, behind: int = 0,
+             samples: bool = True) -> ChunkPlan:
+        """The method's cost table, target pass first, for a chunk `behind` rows of
+        drafter context behind that samples or not (`context_rows`)."""
         method = self.method
         if method is None:
-            return ChunkPlan(n, num_spec, k, (n,), 0, k)
-        return ChunkPlan(n, num_spec, k, (n, *method.rows(n, k)), method.lookahead_slots(k), k)
+            return ChunkPlan(n, num_spec, k, (n,), 0, k, samples=samples)
+        context = int(context_rows(self.parks, n, k, behind, samples))
+        return ChunkPlan(n, num_spec, k, (n, *method.rows(n, k, context)),
+                         method.lookahead_slots(k), k, samples=samples)
 
 
 def plan_chunk(rule: ThrottleRule, remaining: list[int], req: RequestView,
@@ -133,13 +153,18 @@ def plan_chunk(rule: ThrottleRule, remaining: list[int], req: RequestView,
     verifying drafts already made beats proposing new ones.
     """
     first = req.num_tokens - req.num_computed_tokens
-    linear = min([max_chunk] + [rem for rem, ctx in zip(remaining, rule.context) if ctx])
-    for n in range(linear, first - 1, -1):
+    behind = req.behind
+    # Every context pass bounds n, less the rows a following drafter catches up; a
+    # sampling chunk that may park is bounded by the target pass alone.
+    target = min(max_chunk, remaining[0])
+    linear = min([target] + [rem - behind
+                             for rem, ctx in zip(remaining[1:], rule.context[1:]) if ctx])
+    for n in range(target if rule.parks else linear, first - 1, -1):
         s = n - first
         k_max = min(int(rule.k(req.num_tokens, req.num_output_tokens, req.max_tokens, s)),
                     req.max_drafts)
-        for k in range(k_max, -1, -1) if rule.adaptive else (k_max,):
-            plan = rule.plan(n, s, k)
+        for k in _ks_to_try(rule, k_max, behind):
+            plan = rule.plan(n, s, k, behind)
             if _fits(plan, remaining):
                 return plan if k == k_max else replace(plan, rule_draft_tokens=k_max)
     if not allow_partial:
@@ -147,10 +172,21 @@ def plan_chunk(rule: ThrottleRule, remaining: list[int], req: RequestView,
     # A chunk that does not sample: rules that charge a fixed extra per request
     # (benchmarks' vLLM rules) may need a few tokens less than the linear bound.
     for n in range(min(linear, first - 1), 0, -1):
-        plan = rule.plan(n, 0, 0)
+        plan = rule.plan(n, 0, 0, behind, samples=False)
         if _fits(plan, remaining):
-            return replace(plan, samples=False)
+            return plan
     return None
+
+
+def _ks_to_try(rule: ThrottleRule, k_max: int, behind: int) -> range | tuple[int, ...]:
+    """k's a sampling chunk tries, most first: all down to 0 under the adaptive policy;
+    otherwise k_max, and 0 after it for a parked request whose catch-up rows do not
+    fit (parked again rather than left out of the step)."""
+    if rule.adaptive:
+        return range(k_max, -1, -1)
+    if rule.parks and behind and k_max:
+        return (k_max, 0)
+    return (k_max,)
 
 
 def _fits(plan: ChunkPlan, remaining: list[int]) -> bool:

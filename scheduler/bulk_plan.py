@@ -23,10 +23,11 @@ import numpy as np
 from scheduler.kv_cache_manager import KVCacheBlock, cdiv
 from scheduler.request import NUM_OUTCOMES, Request
 from scheduler.step_record import StepRecord
+from spec_decode.methods import context_rows
 
-# Counters gathered per running request (`RunningCounters.gather`): eight, then the
+# Counters gathered per running request (`RunningCounters.gather`): nine, then the
 # verifications per state.
-_FIELDS = 8 + NUM_OUTCOMES
+_FIELDS = 9 + NUM_OUTCOMES
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class RunningCounters:
     num_output: np.ndarray  # [num_reqs]
     max_tokens: np.ndarray  # [num_reqs]
     num_blocks: np.ndarray  # [num_reqs] KV blocks held
+    num_drafter_computed: np.ndarray  # [num_reqs] positions its drafter holds (<= computed)
     # For the goodput policy:
     first_accepted: np.ndarray  # [num_reqs] verifications that accepted the first draft
     last_outcome: np.ndarray  # [num_reqs] the state its last verification left
@@ -48,17 +50,23 @@ class RunningCounters:
     def gather(cls, requests: Sequence[Request],
                req_blocks: dict[str, list[KVCacheBlock]]) -> RunningCounters:
         # One flat pass over the requests (one fromiter, no per-request arrays); the
-        # reshape turns [c0, t0, s0, o0, m0, b0, a0, l0, v0..., c1, ...] into one row each.
+        # reshape turns [c0, t0, s0, o0, m0, b0, w0, a0, l0, v0..., c1, ...] into one row
+        # each.
         flat = np.fromiter(chain.from_iterable(
             (r.num_computed_tokens, len(r.all_token_ids), len(r.spec_token_ids),
              len(r.output_token_ids), r.sampling_params.max_tokens,
-             len(req_blocks.get(r.request_id, ())), r.num_first_accepted, r.last_outcome,
-             *r.verifications_by_state)
+             len(req_blocks.get(r.request_id, ())), r.num_drafter_computed,
+             r.num_first_accepted, r.last_outcome, *r.verifications_by_state)
             for r in requests),
             dtype=np.int64, count=_FIELDS * len(requests))
         rows = flat.reshape(len(requests), _FIELDS)
-        c, t, s, o, m, b, a, last = rows[:, :8].T
-        return cls(c, t, s, o, m, b, a, last, rows[:, 8:])
+        c, t, s, o, m, b, w, a, last = rows[:, :9].T
+        return cls(c, t, s, o, m, b, w, a, last, rows[:, 9:])
+
+    @property
+    def behind(self) -> np.ndarray:
+        """[num_reqs] rows each request's drafter skipped while parked."""
+        return self.num_computed - self.num_drafter_computed
 
 
 def plan_bulk(record: StepRecord, requests: Sequence[Request], counters: RunningCounters,
@@ -72,9 +80,10 @@ def plan_bulk(record: StepRecord, requests: Sequence[Request], counters: Running
     the long-prefill threshold (0: never capped): n = min(first + s_held, threshold),
     where `first` counts the known tokens not yet computed. It samples if n >= first
     (verifying s = n - first drafts and proposing k(s)); otherwise it is a prefill
-    piece with s = k = 0. `plan_chunk` returns exactly that chunk whenever its rows
-    fit what is left, so the run is every request up to the first whose rows, or
-    whose new KV blocks, overflow what the ones before it left.
+    piece with s = k = 0. Its context rows are `context_rows` (parked, or caught
+    up). `plan_chunk` returns exactly that chunk whenever its rows fit what is left,
+    so the run is every request up to the first whose rows, or whose new KV blocks,
+    overflow what the ones before it left.
     """
     rule = record.rule
     assert rule.tables is not None, "the bulk plan needs a tabled rule"
@@ -90,7 +99,11 @@ def plan_bulk(record: StepRecord, requests: Sequence[Request], counters: Running
     if max_drafts is not None:
         k = np.minimum(k, max_drafts)
     k = np.where(samples, k, 0)
-    rows = n[:, None] * ctx + base[k]  # [num_reqs, num_passes]
+    # Context passes take each request's context rows (parked: 0; behind: n + b), the
+    # target pass n.
+    context = context_rows(rule.parks, n, k, c.behind, samples)
+    rows = context[:, None] * ctx + base[k]  # [num_reqs, num_passes]
+    rows[:, 0] = n * ctx[0] + base[k, 0]
     lookahead = lookahead_of[k]
     # Blocks needed for every computed slot after the step, past those held.
     needed = cdiv(c.num_computed + n + lookahead, block_size)

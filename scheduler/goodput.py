@@ -299,11 +299,13 @@ class GoodputPolicy:
         self.new_request_cap = rule.max_k  # for requests admitted this step
 
     def caps(self, verifications: np.ndarray, first_accepted: np.ndarray,
-             states: np.ndarray, rule_k: np.ndarray) -> np.ndarray:
+             states: np.ndarray, rule_k: np.ndarray,
+             behind: np.ndarray | None = None) -> np.ndarray:
         """[N] the k cap of each running request (its verifications so far per state it
         was in [N, NUM_OUTCOMES], how many accepted their first draft, the state its last
-        one left; rule_k: the k the rule allows it now). Also sets `new_request_cap`,
-        the cap of a request with no history in this batch."""
+        one left; rule_k: the k the rule allows it now; behind: the rows its drafter must
+        catch up before its first draft, none if None). Also sets `new_request_cap`, the
+        cap of a request with no history in this batch."""
         num = len(rule_k)
         fresh = np.zeros(1, dtype=np.int64)
         gains = np.cumprod(self.acceptance.request_rates(
@@ -312,14 +314,16 @@ class GoodputPolicy:
             np.concatenate([states, fresh + FRESH])), axis=1)
         limit = np.concatenate([rule_k, [self.max_k]])
         gains[np.arange(self.max_k)[None, :] >= limit[:, None]] = 0.0
-        threshold = self._threshold(gains[:num], max(num, 1))
+        catch_up = np.zeros(num, dtype=np.int64) if behind is None else behind
+        threshold = self._threshold(gains[:num], max(num, 1), catch_up)
         caps = (gains >= threshold).sum(axis=1)
         self.new_request_cap = int(caps[num])
         return caps[:num]
 
-    def _threshold(self, gains: np.ndarray, num_sampling: int) -> float:
+    def _threshold(self, gains: np.ndarray, num_sampling: int, catch_up: np.ndarray) -> float:
         """The smallest gain worth a draft: drafts sorted by gain, the prefix that
-        maximises (tokens) / (predicted seconds), within B rows of the target pass."""
+        maximises (tokens) / (predicted seconds), within B rows of the target pass. A
+        request's first draft also brings the rows its parked drafter catches up."""
         k = self.max_k
         flat = gains.ravel()
         order = np.argsort(-flat, kind="stable")
@@ -327,7 +331,8 @@ class GoodputPolicy:
         j = order % k  # the draft's index in its request (0: the first draft)
         target = num_sampling + np.cumsum(self.costs.target[j])
         base = num_sampling * self.costs.drafter_base
-        drafter = np.concatenate([[base], base + np.cumsum(self.costs.drafter[j])])
+        added = self.costs.drafter[j] + np.where(j == 0, catch_up[order // k], 0)
+        drafter = np.concatenate([[base], base + np.cumsum(added)])
         # Every verification row gives logits, so the target rows here are logit rows.
         rows = np.concatenate([[num_sampling], target])
         seconds = self.time_model.predict_optimistic(rows, rows, drafter,

@@ -136,8 +136,10 @@ class KVCacheManager:
         rid = request.request_id
         hashes = self._block_hashes(request)
         blocks = self.req_blocks[rid]
+        drafter_full = request.num_drafter_computed // self.block_size
         for i in range(self._num_cached.get(rid, 0), num_full):
             self.pool.cache(blocks[i], hashes[i])
+            blocks[i].drafter_computed = i < drafter_full
         self._num_cached[rid] = num_full
 
     def free(self, request: Request, finished: bool) -> None:

@@ -20,6 +20,14 @@ class NewRequestData:
     # The request's end-of-sequence token: until min_tokens, the runner keeps it (and
     # the stop token ids) from being sampled.
     eos_token_id: int | None = None
+    # Positions of the cached prefix whose drafter KV is valid (a prefix cached while
+    # its request was parked holds target KV only); None: all num_computed_tokens.
+    num_drafter_computed: int | None = None
+
+    @property
+    def num_drafter_computed_tokens(self) -> int:
+        return (self.num_computed_tokens if self.num_drafter_computed is None
+                else self.num_drafter_computed)
 
 
 @dataclass(frozen=True)

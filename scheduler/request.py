@@ -147,6 +147,10 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Positions its drafter's own KV holds (a head or draft LM method): the computed
+        # ones, or fewer while it is parked (it samples with k = 0 and skips the
+        # drafter); the gap is caught up in the step it next drafts.
+        self.num_drafter_computed = 0
         self.num_preemptions = 0
         self.stop_token_id: int | None = None
         # In a step that failed, alongside others: it runs as the only suspect of its

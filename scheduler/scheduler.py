@@ -15,7 +15,7 @@ from scheduler.budget import RequestView, ThrottleRule, check_budget_config, pla
 from scheduler.bulk_plan import RunningCounters, plan_bulk
 from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.goodput import GoodputPolicy
-from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.kv_cache_manager import KVCacheBlock, KVCacheManager
 from scheduler.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -46,7 +46,8 @@ class Scheduler:
         max_k = speculative_config.num_speculative_tokens if speculative_config else 0
         adaptive = speculative_config is not None and speculative_config.draft_policy == "fit"
         self.rule = rule or ThrottleRule(self.method, max_k, scheduler_config.max_model_len,
-                                         adaptive)
+                                         adaptive, bool(speculative_config
+                                                        and speculative_config.parks))
         check_budget_config(self.rule, speculative_config, scheduler_config.max_num_batched_tokens)
         # draft_policy="goodput": a cap on each request's k per step (scheduler/goodput.py).
         self.policy = (GoodputPolicy(self.rule, scheduler_config.max_num_batched_tokens)
@@ -168,16 +169,34 @@ class Scheduler:
         return record
 
     def _view(self, request: Request, max_drafts: int,
-              num_computed: int | None = None) -> RequestView:
+              cached: tuple[int, int] | None = None) -> RequestView:
+        """A running request's counters; `cached`: a waiting one's cached prefix, and
+        how much of it its drafter holds (`_usable_prefix`)."""
+        computed, drafter = (cached if cached is not None
+                             else (request.num_computed_tokens, request.num_drafter_computed))
         return RequestView(
-            num_computed_tokens=(request.num_computed_tokens if num_computed is None
-                                 else num_computed),
+            num_computed_tokens=computed,
             num_tokens=request.num_tokens,
             num_spec_tokens=len(request.spec_token_ids),
             num_output_tokens=request.num_output_tokens,
             max_tokens=request.max_tokens,
             max_drafts=max_drafts,
+            num_drafter_computed=drafter,
         )
+
+    def _usable_prefix(self, prefix: list[KVCacheBlock]) -> tuple[list[KVCacheBlock], int]:
+        """The cached blocks a new request takes, and the tokens of them its drafter
+        holds. Under a method that parks, a block filled while its request was parked
+        holds target KV only: the new request's drafter catches it up in its first
+        chunk (from the feature cache), so at most B / 2 such tokens are taken and the
+        rest is computed again."""
+        size = self.kv.block_size
+        if not self.rule.parks:
+            return prefix, len(prefix) * size
+        held = next((i for i, block in enumerate(prefix) if not block.drafter_computed),
+                    len(prefix))
+        stale = self.config.max_num_batched_tokens // 2 // size
+        return prefix[:held + stale], held * size
 
     def _max_chunk(self, num_pending: int) -> int:
         # Without chunked prefill a prompt goes whole, so the threshold cannot apply.
@@ -224,7 +243,8 @@ class Scheduler:
         c = counters
         s = c.num_spec  # verified next if the whole chunk fits (the bulk plan's case)
         rule_k = self.rule.k(c.num_tokens, c.num_output, c.max_tokens, s)
-        return self.policy.caps(c.verifications, c.first_accepted, c.last_outcome, rule_k)
+        return self.policy.caps(c.verifications, c.first_accepted, c.last_outcome, rule_k,
+                                c.behind)
 
     def _num_blocks(self, request: Request) -> int:
         return len(self.kv.req_blocks.get(request.request_id, ()))
@@ -280,7 +300,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request, finished=False)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_drafter_computed = 0
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
@@ -301,10 +321,11 @@ class Scheduler:
                 if suspect_in_step:
                     break
                 suspect_in_step = True
-            prefix = self.kv.find_prefix(request)
+            prefix, drafter_cached = self._usable_prefix(self.kv.find_prefix(request))
             num_cached = len(prefix) * self.kv.block_size
             cap = self.policy.new_request_cap if self.policy else self.rule.max_k
-            plan = plan_chunk(self.rule, record.remaining, self._view(request, cap, num_cached),
+            view = self._view(request, cap, (num_cached, drafter_cached))
+            plan = plan_chunk(self.rule, record.remaining, view,
                               self._max_chunk(request.num_tokens - num_cached),
                               allow_partial=self.config.enable_chunked_prefill)
             if plan is None:
@@ -313,6 +334,7 @@ class Scheduler:
                 break
             self.waiting.pop()
             request.num_computed_tokens = num_cached
+            request.num_drafter_computed = drafter_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             record.append(request, plan, 0, self._num_blocks(request), admitted=True)
@@ -331,18 +353,27 @@ class Scheduler:
         new_reqs = [self._new_request_data(r) for r in requests[num_running:]]
         req_ids = [r.request_id for r in requests]
         spec_tokens: dict[str, list[int]] = {}
-        for request, n, s in zip(requests, record.num_tokens[live].tolist(),
-                                 record.num_spec[live].tolist()):
+        # A request's drafter follows its chunk unless parked (it samples with k = 0):
+        # then it holds what it held, and the gap waits for its next draft.
+        parked = ((record.samples[live] & (record.num_draft_tokens[live] == 0)).tolist()
+                  if self.rule.parks else [False] * len(requests))
+        catch_up = 0
+        for request, n, s, park in zip(requests, record.num_tokens[live].tolist(),
+                                       record.num_spec[live].tolist(), parked):
             spec = request.spec_token_ids
             if len(spec) > s:  # a chunk cut short by the budget or the threshold
                 del spec[s:]
             if s:
                 spec_tokens[request.request_id] = list(spec)
+            if not park:  # rejected drafts roll both back (update_from_output)
+                catch_up += request.num_computed_tokens - request.num_drafter_computed
+                request.num_drafter_computed = request.num_computed_tokens + n
             request.num_computed_tokens += n
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
         output = build_output(record, req_ids, new_reqs, self._cached(record, req_ids, num_running),
                               spec_tokens, preempted, finished)
         self.stats.record_step(output)
+        self.stats.goodput.catch_up_rows += catch_up
         if self.policy is not None:
             self._predict_seconds(record, output)
         return output
@@ -399,6 +430,7 @@ class Scheduler:
             block_ids=self.kv.block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             eos_token_id=request.eos_token_id,
+            num_drafter_computed=request.num_drafter_computed,
         )
 
     # ---- results back ----------------------------------------------------------
@@ -434,6 +466,8 @@ class Scheduler:
                 verified = len(spec) if spec else 0
                 accepted = count_accepted(request, sampled, verified)
                 request.num_computed_tokens -= verified - accepted
+                request.num_drafter_computed = min(request.num_drafter_computed,
+                                                   request.num_computed_tokens)
                 verified_counts.append(verified)
                 accepted_counts.append(accepted)
                 states.append(request.last_outcome)

@@ -105,6 +105,8 @@ class GoodputStats:
     chosen_k: list[int] = field(default_factory=list)
     num_sampling_steps: int = 0  # steps with at least one sampling request
     num_steps_k0: int = 0  # ... of which none proposed a draft
+    # Drafter rows run to catch up requests that were parked (k = 0: no drafter rows).
+    catch_up_rows: int = 0
     num_timed_steps: int = 0
     predicted_seconds: float = 0.0  # summed over the timed steps
     measured_seconds: float = 0.0
@@ -136,6 +138,7 @@ class GoodputStats:
         return {
             "chosen_k": list(self.chosen_k),
             "share_steps_k0": self.share_steps_k0,
+            "catch_up_rows": self.catch_up_rows,
             "mean_predicted_step_seconds": self.predicted_seconds / timed if timed else None,
             "mean_measured_step_seconds": self.measured_seconds / timed if timed else None,
             "mean_abs_error_seconds": self.abs_error_seconds / timed if timed else None,

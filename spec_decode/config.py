@@ -11,7 +11,7 @@ METHODS = method_names()  # the methods shipped here; the registry may hold more
 DRAFT_POLICIES = ("goodput", "fixed", "fit")
 # The top-level keys of a speculative_config dict; the rest are the method's options.
 _FIELDS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min",
-           "prompt_lookup_max", "draft_policy")
+           "prompt_lookup_max", "draft_policy", "park_drafter")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,12 @@ class SpeculativeConfig:
     fit the step's remaining budget takes a chunk that stops short of sampling, or
     waits. `"fit"` (adaptive) lets it propose fewer drafts instead, down to 0, and
     `SchedulerOutput.adapted_draft_tokens` reports each cut.
+
+    `park_drafter` (on by default): under a method whose drafter keeps its own KV (a
+    head, a draft LM), a request that samples with k = 0 skips the drafter's passes and
+    catches up when it drafts again (`SpecMethod.parks`), so a step where nobody drafts
+    costs what speculation off costs. Off: the drafter follows every chunk (what a
+    rule that does not charge the drafter's passes needs: benchmarks' vLLM rules).
     """
 
     method: str
@@ -39,6 +45,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     draft_policy: str = "goodput"
+    park_drafter: bool = True
     options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +54,9 @@ class SpeculativeConfig:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"SpeculativeConfig.{name} must be an integer, got "
                                  f"{value!r}")
+        if not isinstance(self.park_drafter, bool):
+            raise ValueError(f"SpeculativeConfig.park_drafter must be true or false, got "
+                             f"{self.park_drafter!r}")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"SpeculativeConfig.model must be a string, got {self.model!r}")
         if not isinstance(self.method, str) or self.method not in method_names():
@@ -75,6 +85,11 @@ class SpeculativeConfig:
     def spec_method(self) -> SpecMethod:
         """The method's cost table, pass recipes and proposer (spec_decode/methods/)."""
         return get_method(self.method)
+
+    @property
+    def parks(self) -> bool:
+        """Whether a sampling request with k = 0 is parked (see the class docstring)."""
+        return self.park_drafter and self.spec_method.parks
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any] | None) -> SpeculativeConfig | None:

@@ -12,8 +12,12 @@ anything, and fill them only once verification says what they hold:
    reads them (they sit at or past the first position the next step recomputes).
 
 Per request: c = computed before the step, n = scheduled, L = valid positions after
-verification (n when the chunk does not sample), k = drafts to propose. The real
-runner and `SimulatedRunner` both build their passes here.
+verification (n when the chunk does not sample), k = drafts to propose, b = rows its
+drafter fell behind while parked (`context_rows`, spec_decode/methods/base.py). A
+parked request has no rows in the context passes; one that catches up starts its
+context segment at c - b, and those b rows read the target's features from the
+drafter's feature cache (`DraftPass.cached`) instead of this step's target pass. The
+real runner and `SimulatedRunner` both build their passes here.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from spec_decode.methods import PassRecipe, SpecMethod
+from spec_decode.methods import PassRecipe, SpecMethod, context_rows
 
 MASK_ROW = -1  # hidden_src of a row with no target hidden state (mask / query rows)
 
@@ -38,6 +42,7 @@ class StepResult:
     valid: np.ndarray  # [R] L
     samples: np.ndarray  # [R] bool
     num_draft_tokens: np.ndarray  # [R] k (0 when not sampling)
+    catch_up: np.ndarray  # [R] b: rows before c the context passes catch up (0: none)
 
 
 @dataclass
@@ -75,6 +80,9 @@ class DraftPass:
     starts: np.ndarray  # [R] first position of each request's rows
     readout: np.ndarray  # [sum drafts read here] pass-row indices, request-major
     reads_per_req: np.ndarray  # [R] drafts each request reads here
+    # [rows] conditioned catch-up rows: they read the target's features at their
+    # position from the drafter's feature cache (their hidden_src is MASK_ROW).
+    cached: np.ndarray
 
     @property
     def num_rows(self) -> int:
@@ -86,15 +94,18 @@ class DraftPass:
         return np.cumsum(self.rows_per_req) - self.rows_per_req
 
 
-def assemble_rows(method: SpecMethod, n: np.ndarray, k: np.ndarray) -> list[PassRows]:
-    """Each wide pass's segments per request, from the method's recipes."""
+def assemble_rows(method: SpecMethod, n: np.ndarray, k: np.ndarray,
+                  context: np.ndarray | None = None) -> list[PassRows]:
+    """Each wide pass's segments per request, from the method's recipes; `context`:
+    each request's rows in the context passes (`context_rows`; default n)."""
     drafting = (k > 0).astype(np.int64)
     zero = np.zeros_like(n)
+    ctx = n if context is None else context
     passes = []
     for recipe in method.recipes:
         masks = (zero if recipe.masks is None
                  else drafting * np.maximum(k + recipe.masks, 0))
-        passes.append(PassRows(recipe, n if recipe.context else zero,
+        passes.append(PassRows(recipe, ctx if recipe.context else zero,
                                drafting if recipe.bonus else zero, masks))
     return passes
 
@@ -113,15 +124,26 @@ class StepRows:
 
     passes: list[PassRows] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)  # target, wide passes, step_j
+    parked: np.ndarray | None = None  # [R] no rows in the context passes (None: nobody)
+    catch_up: np.ndarray | None = None  # [R] b of each request that catches up, else 0
 
 
-def plan_step_rows(method: SpecMethod | None, n: np.ndarray, k: np.ndarray) -> StepRows:
+def plan_step_rows(method: SpecMethod | None, n: np.ndarray, k: np.ndarray,
+                   behind: np.ndarray | None = None,
+                   samples: np.ndarray | None = None) -> StepRows:
     """The target pass (n rows per request), every drafter pass assembled from the
-    method's recipes, and the sequential one-row steps, each with its row count."""
+    method's recipes, and the sequential one-row steps, each with its row count.
+    `behind` and `samples` (both or neither): the runner's own count of the rows each
+    request's drafter is behind, and which chunks sample; without them nobody parks."""
     step = StepRows(counts={"target": int(n.sum())})
     if method is None:
         return step
-    step.passes = assemble_rows(method, n, k)
+    context = None
+    if behind is not None and samples is not None:
+        context = context_rows(method.parks, n, k, behind, samples)
+        step.parked = context == 0
+        step.catch_up = np.where(step.parked, 0, behind)
+    step.passes = assemble_rows(method, n, k, context)
     for rows in step.passes:
         step.counts[rows.name] = rows.total
     for j, count in enumerate(sequential_rows(method, k), start=1):
@@ -139,9 +161,9 @@ def fill_pass(plan: PassRows, res: StepResult, token_ids: np.ndarray | None,
     """
     recipe, rows = plan.recipe, plan.rows
     c, L, k = res.computed, res.valid, res.num_draft_tokens
-    context_real = L if recipe.context else np.zeros_like(L)
+    context_real = res.catch_up + L if recipe.context else np.zeros_like(L)
     real = context_real + plan.bonus
-    starts = c if recipe.context else c + L
+    starts = c - res.catch_up if recipe.context else c + L
     num = len(rows)
     cu = np.cumsum(rows)
     req_index = np.repeat(np.arange(num), rows)
@@ -155,9 +177,12 @@ def fill_pass(plan: PassRows, res: StepResult, token_ids: np.ndarray | None,
         tok_pos = np.minimum(positions + recipe.shift, token_ids.shape[1] - 1)
         tokens = np.where(is_tok, token_ids[res.rows[req_index], tok_pos],
                           np.where(is_mask, mask_id, 0))
-    # Conditioned rows read the target's hidden state at the same position.
+    # Conditioned rows read the target's hidden state at the same position: this
+    # step's target pass from c on, the feature cache before c (catch-up rows).
     target_row = res.q_start[req_index] + (positions - c[req_index])
-    hidden_src = np.where(is_tok & recipe.conditioned, target_row, MASK_ROW)
+    conditioned = is_tok & recipe.conditioned
+    cached = conditioned & (positions < c[req_index])
+    hidden_src = np.where(conditioned & ~cached, target_row, MASK_ROW)
     num_read = {"none": np.zeros_like(k), "one": (k > 0).astype(np.int64), "all": k}
     read = num_read[recipe.reads]
     # The row whose input is the bonus token (at c + L), then `read_skip` rows on.
@@ -166,7 +191,7 @@ def fill_pass(plan: PassRows, res: StepResult, token_ids: np.ndarray | None,
     read_j = np.arange(int(read.sum())) - np.repeat(np.cumsum(read) - read, read)
     readout = (cu - rows)[read_req] + read_from[read_req] + read_j
     return DraftPass(recipe.name, req_index, positions, tokens.astype(np.int64),
-                     hidden_src, rows, starts, readout, read)
+                     hidden_src, rows, starts, readout, read, cached)
 
 
 def sequential_positions(method: SpecMethod, res: StepResult, j: int) -> np.ndarray:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from spec_decode.methods.base import PassRecipe, SpecMethod, TrainLayout
+from spec_decode.methods.base import PassRecipe, SpecMethod, TrainLayout, context_rows
 
 _REGISTRY: dict[str, SpecMethod] = {}
 M = TypeVar("M", bound=type[SpecMethod])
@@ -54,5 +54,5 @@ def method_names() -> tuple[str, ...]:
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"):
     importlib.import_module(f"{__name__}.{_module}")
 
-__all__ = ["PassRecipe", "SpecMethod", "TrainLayout", "get_method", "method_names", "register",
-           "registered"]
+__all__ = ["PassRecipe", "SpecMethod", "TrainLayout", "context_rows", "get_method",
+           "method_names", "register", "registered"]

@@ -24,6 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
+import numpy.typing as npt
+
 if TYPE_CHECKING:
     from spec_decode.proposer import TokenProposer
     from spec_decode.settings import MethodSettings
@@ -102,6 +105,15 @@ class SpecMethod:
         return tuple(recipe.context for recipe in self.recipes)
 
     @property
+    def parks(self) -> bool:
+        """Whether a request that samples and proposes no draft (k = 0) is parked: it
+        puts no rows in the context passes, so a step where nobody drafts runs no
+        drafter pass at all. Its drafter (a head or a draft LM, which keeps its own KV
+        over the context) falls behind, and catches up when it next drafts
+        (`context_rows`). Lookup methods run no pass to skip."""
+        return self.drafter != "lookup" and any(self.context_passes)
+
+    @property
     def trained_heads(self) -> tuple[str, ...]:
         """The methods whose trained head this one may serve with, in lookup order."""
         shared = (self.shares_head_with,) if self.shares_head_with else ()
@@ -113,9 +125,11 @@ class SpecMethod:
         """Rows beyond the n context rows that proposing k drafts adds to each pass."""
         return tuple(0 for _ in self.recipes)
 
-    def rows(self, n: int, k: int) -> tuple[int, ...]:
-        """Rows one request puts in each pass of `pass_names`, in that order."""
-        return tuple((n if recipe.context else 0) + extra
+    def rows(self, n: int, k: int, context: int | None = None) -> tuple[int, ...]:
+        """Rows one request puts in each pass of `pass_names`, in that order; `context`:
+        its rows in the context passes when not n (`context_rows`)."""
+        ctx = n if context is None else context
+        return tuple((ctx if recipe.context else 0) + extra
                      for recipe, extra in zip(self.recipes, self.extra_rows(k)))
 
     def lookahead_slots(self, k: int) -> int:
@@ -129,3 +143,17 @@ class SpecMethod:
         draft in the runner through the network their `drafter` kind names."""
         raise TypeError(f"method {self.name!r} drafts with a {self.drafter!r} drafter in the "
                         "runner, not with a token proposer")
+
+
+def context_rows(parks: bool, n: npt.ArrayLike, k: npt.ArrayLike, behind: npt.ArrayLike,
+                 samples: npt.ArrayLike) -> np.ndarray:
+    """Rows each request puts in a context pass: its chunk, after the `behind` rows its
+    drafter skipped while parked (positions [c - behind, c), whose target features
+    wait in the drafter's feature cache); none while parked (it samples with k = 0,
+    under a method that `parks`). The one rule the scheduler charges by and the
+    runner builds by; each keeps its own count of `behind`, so a drift between them
+    is a refused step (runner/invariant.py)."""
+    n = np.asarray(n)
+    if not parks:
+        return n
+    return np.where(np.asarray(samples) & (np.asarray(k) == 0), 0, n + np.asarray(behind))

@@ -72,9 +72,15 @@ def test_spec_decode_quick(tmp_path: Path) -> None:
     for entry in summary.values():
         assert entry["best_fixed_k"] == 4 and entry["goodput_vs_best_fixed"] > 0
     for row in rows:
-        if row["method"] == "draft_model":  # the target drafting for itself
+        if row["method"] != "draft_model":
+            continue
+        # The target drafting for itself: every draft accepted. Under goodput it may
+        # never draft (a draft costs a whole target pass), its requests parked.
+        if row["draft_policy"] == "fixed":
             assert row["acceptance_rate"] == 1.0
             assert row["theoretical_tokens_per_step"] == 5.0
+        else:
+            assert row["acceptance_rate"] in (None, 1.0)
 
 
 def test_spec_decode_rotates_its_passes() -> None:

@@ -45,6 +45,9 @@ def model() -> LlamaForCausalLM:
 def run(model: LlamaForCausalLM, method: str | None, prompts: list[str],
         **kwargs: Any) -> tuple[list[list[int]], dict[str, Any]]:
     spec = spec_dict(method, K)
+    if spec is not None and "draft_policy" in kwargs:
+        spec["draft_policy"] = kwargs.pop("draft_policy")
+    kwargs.pop("draft_policy", None)
     kwargs.setdefault("max_num_batched_tokens", 64)
     kwargs.setdefault("max_model_len", 256)
     llm = LLM(loaded_model=model, speculative_config=spec, max_num_seqs=16, **kwargs)
@@ -74,8 +77,11 @@ def baseline(model: LlamaForCausalLM, concurrency: int) -> list[list[int]]:
 @pytest.mark.parametrize("method", [None, *METHODS])
 def test_greedy_lossless(model: LlamaForCausalLM, method: str | None,
                          concurrency: int) -> None:
-    """B=64 forces chunked prefill (the grounded prompts are longer) and mixes decodes."""
-    tokens, metrics = run(model, method, PROMPTS[:concurrency])
+    """B=64 forces chunked prefill (the grounded prompts are longer) and mixes decodes.
+    Fixed K, so every method drafts (goodput rightly never drafts with draft_model,
+    whose drafter is the whole target; tests/e2e/test_parking.py runs goodput's
+    parked requests)."""
+    tokens, metrics = run(model, method, PROMPTS[:concurrency], draft_policy="fixed")
     assert tokens == baseline(model, concurrency)
     assert all(rows <= 64 for rows in metrics["peak_pass_rows"].values())
     if method is not None and concurrency == 16:

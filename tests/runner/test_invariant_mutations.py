@@ -117,8 +117,9 @@ def test_k_above_the_rule(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
 class DraftsOnEveryChunk(ThrottleRule):
     """Broken on purpose: proposes K drafts whether the chunk samples or not."""
 
-    def plan(self, n: int, num_spec: int, k: int) -> budget.ChunkPlan:
-        return super().plan(n, num_spec, self.max_k)
+    def plan(self, n: int, num_spec: int, k: int, behind: int = 0,
+             samples: bool = True) -> budget.ChunkPlan:
+        return super().plan(n, num_spec, self.max_k, behind, samples)
 
 
 @pytest.mark.parametrize("kind", RUNNERS)

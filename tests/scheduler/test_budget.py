@@ -269,7 +269,7 @@ def test_step_record_refund_is_exact() -> None:
     rule = ThrottleRule(SpeculativeConfig("dflash", 4).spec_method, 4, 100)
     record = StepRecord(rule, 64, 4)
     a = rule.plan(5, 4, 4)
-    b = rule.plan(10, 0, 0)
+    b = rule.plan(10, 0, 0, samples=False)  # a prefill piece: context rows, no drafts
     record.append(make_request("a", 4), a, 0, 0)
     record.append(make_request("b", 4), b, 0, 0)
     assert record.remaining == [64 - 15, 64 - 15, 64 - 5]

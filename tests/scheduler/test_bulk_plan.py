@@ -48,6 +48,7 @@ class FakeRunning:
     output: int
     max_tokens: int
     blocks: int
+    drafter_computed: int = -1  # -1: level with computed
     reached: int = 0
     accepted: int = 0
     last_outcome: int = 0
@@ -64,7 +65,8 @@ def reference_run(rule: ThrottleRule, reqs: list[FakeRunning], remaining: list[i
     plans = []
     remaining = list(remaining)
     for r in reqs:
-        view = RequestView(r.computed, r.tokens, r.spec, r.output, r.max_tokens)
+        view = RequestView(r.computed, r.tokens, r.spec, r.output, r.max_tokens,
+                           num_drafter_computed=_drafter(r))
         pending = r.tokens + r.spec - r.computed
         max_chunk = min(pending, threshold) if threshold else pending
         plan = plan_chunk(rule, remaining, view, max_chunk, allow_partial=True)
@@ -79,14 +81,19 @@ def reference_run(rule: ThrottleRule, reqs: list[FakeRunning], remaining: list[i
     return plans
 
 
+def _drafter(r: FakeRunning) -> int:
+    return r.computed if r.drafter_computed < 0 else r.drafter_computed
+
+
 def planned(rule: ThrottleRule, reqs: list[FakeRunning], remaining: list[int],
             free_blocks: int, threshold: int) -> list[ChunkPlan]:
     def column(field: str) -> np.ndarray:
         return np.array([getattr(r, field) for r in reqs], dtype=np.int64)
 
     counters = RunningCounters(
-        *(column(f) for f in ("computed", "tokens", "spec", "output", "max_tokens", "blocks",
-                              "accepted", "last_outcome")),
+        *(column(f) for f in ("computed", "tokens", "spec", "output", "max_tokens", "blocks")),
+        np.array([_drafter(r) for r in reqs], dtype=np.int64),
+        *(column(f) for f in ("accepted", "last_outcome")),
         np.zeros((len(reqs), NUM_OUTCOMES), dtype=np.int64) + column("reached")[:, None])
     record = StepRecord(rule, 0, len(reqs))
     record.remaining = list(remaining)
@@ -114,7 +121,11 @@ def running_sets(draw: st.DrawFn) -> tuple:
         spec = draw(st.integers(0, k)) if computed == tokens - 1 else 0
         max_tokens = draw(st.integers(max(output, 1), output + 64))
         blocks = draw(st.integers(0, -(-computed // BLOCK) + 2))
-        reqs.append(FakeRunning(computed, tokens, spec, output, max_tokens, blocks))
+        # A decoding request's drafter may be a few rows behind (parked before).
+        behind = (draw(st.integers(0, min(computed, 6)))
+                  if rule.parks and computed == tokens - 1 else 0)
+        reqs.append(FakeRunning(computed, tokens, spec, output, max_tokens, blocks,
+                                computed - behind))
     remaining = [draw(st.integers(0, 60)) for _ in range(rule.num_passes)]
     return rule, reqs, remaining, draw(st.integers(0, 30)), draw(st.sampled_from([0, 1, 3, 8]))
 

@@ -131,6 +131,8 @@ def test_from_dict_splits_known_fields_and_options() -> None:
     ({"method": "draft_model", "num_speculative_tokens": 3, "model": 5},
      r"model must be a string"),
     (["ngram", 3], r"speculative_config must be a dict or None"),
+    ({"method": "dflash", "num_speculative_tokens": 3, "park_drafter": "no"},
+     r"park_drafter must be true or false, got 'no'"),
 ])
 def test_from_dict_refuses_wrong_types_and_unknown_keys(spec: object, message: str) -> None:
     """Booleans are not integers, and a misspelt setting is never silently ignored."""
@@ -305,3 +307,17 @@ def test_no_speculation_needs_no_minimum_budget() -> None:
     for _ in range(5):
         run_step(scheduler, runner)
     assert len(request.output_token_ids) == 2
+
+
+def test_which_methods_park() -> None:
+    """A drafter with its own KV (head, draft LM) parks unless told not to; a lookup
+    method has no drafter pass to skip."""
+    def parks(method: str, **kwargs: object) -> bool:
+        config = SpeculativeConfig.from_dict({"method": method, "num_speculative_tokens": 2,
+                                              **kwargs})
+        assert config is not None
+        return config.parks
+
+    assert parks("dflash") and parks("eagle") and parks("draft_model") and parks("pard")
+    assert not parks("ngram") and not parks("suffix")
+    assert not parks("dflash", park_drafter=False)

@@ -233,26 +233,27 @@ def test_caps_never_exceed_the_rule(rule_k: list[int], reached: int, share: floa
 
 
 def test_draft_costs_follow_the_cost_table() -> None:
-    """dflash: the j-th draft adds its verification row and one query row (the first
-    also the bonus row); eagle: one target row, and from the second draft on one
-    one-row step."""
+    """A request with k = 0 is parked: no drafter rows. dflash: its first draft brings
+    its context rows (the chunk of 2), the query block's bonus and mask rows; each
+    later one a context row and a mask row. eagle: the first draft its 2 context rows,
+    each later one a context row and a one-row step."""
     dflash = DraftCosts.for_rule(ThrottleRule(get_method("dflash"), K, 4096))
     assert dflash.target.tolist() == [1] * K
-    assert dflash.drafter.tolist() == [3, 2, 2, 2] and dflash.drafter_base == 1
+    assert dflash.drafter.tolist() == [4, 2, 2, 2] and dflash.drafter_base == 0
     eagle = DraftCosts.for_rule(ThrottleRule(get_method("eagle"), K, 4096))
-    assert eagle.drafter.tolist() == [1, 2, 2, 2] and eagle.drafter_base == 1
+    assert eagle.drafter.tolist() == [2, 2, 2, 2] and eagle.drafter_base == 0
 
 
 def test_draft_costs_count_the_drafter_passes() -> None:
-    """dflash runs its context pass whatever k is and its query pass once any request
-    drafts; eagle runs one pass, then one one-row step per draft past the first of the
-    deepest request; ngram runs none. Drafts added by index 0, 0, 1, 2, 0."""
+    """Parked requests run no pass: dflash runs its context and query passes once any
+    request drafts; eagle runs one pass, then one one-row step per draft past the
+    first of the deepest request; ngram runs none. Drafts added by index 0, 0, 1, 2, 0."""
     added = np.array([0, 0, 1, 2, 0])
     dflash = DraftCosts.for_rule(ThrottleRule(get_method("dflash"), K, 4096))
-    assert dflash.passes(3, added).tolist() == [1, 2, 2, 2, 2, 2]
+    assert dflash.passes(3, added).tolist() == [0, 2, 2, 2, 2, 2]
     assert dflash.passes(0, added[:0]).tolist() == [0]  # nothing samples: no pass
     eagle = DraftCosts.for_rule(ThrottleRule(get_method("eagle"), K, 4096))
-    assert eagle.passes(3, added).tolist() == [1, 1, 1, 2, 3, 3]
+    assert eagle.passes(3, added).tolist() == [0, 1, 1, 2, 3, 3]
     ngram = DraftCosts.for_rule(ThrottleRule(get_method("ngram"), K, 4096))
     assert ngram.passes(3, added).tolist() == [0] * 6
 
@@ -337,7 +338,8 @@ def test_a_policy_asking_past_the_rule_is_held_to_it(monkeypatch: pytest.MonkeyP
     """Broken on purpose: caps far above K. The scheduler takes min(rule, cap), so the
     strict runner (which re-derives the rule) accepts every step and drains."""
     monkeypatch.setattr(GoodputPolicy, "caps",
-                        lambda self, reached, accepted, states, rule_k: np.full(len(rule_k), 99))
+                        lambda self, reached, accepted, states, rule_k, behind=None:
+                        np.full(len(rule_k), 99))
     sched = make_scheduler("pard", k=K, budget=64, max_model_len=48, draft_policy="goodput")
     runner = SimulatedRunner(sched, acceptance=1.0, seed=0)
     sched.add_request(make_request("r", 10, max_tokens=60, ignore_eos=True))

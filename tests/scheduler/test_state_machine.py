@@ -206,8 +206,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert before[rid][0] in (computed_before, 0) or req.num_preemptions
             k = out.num_draft_tokens.get(rid, 0)
             rule_k = expected_k(self.max_k, req, n, s, computed_before)
-            if rid in out.adapted_draft_tokens:  # only the adaptive policy may cut k
-                assert self.adaptive and k < rule_k == out.adapted_draft_tokens[rid]
+            if rid in out.adapted_draft_tokens:
+                # Only the adaptive policy cuts k, or a parked request whose catch-up
+                # rows do not fit parks again (k = 0).
+                assert k < out.adapted_draft_tokens[rid] <= rule_k
+                assert out.adapted_draft_tokens[rid] == rule_k or self.goodput
+                assert self.adaptive or (k == 0 and self.sched.rule.parks), (rid, k, rule_k)
             elif self.goodput:  # the policy caps k, never past the rule
                 assert k <= rule_k, (rid, n, s, k, rule_k)
             else:

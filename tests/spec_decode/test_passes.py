@@ -11,12 +11,14 @@ MASK = 7  # the mask token id
 A = np.array
 
 
-def result(c: list[int], n: list[int], valid: list[int], k: list[int]) -> StepResult:
+def result(c: list[int], n: list[int], valid: list[int], k: list[int],
+           catch_up: list[int] | None = None) -> StepResult:
     """Requests in state rows 0, 1, ...; their target-pass rows start at cumsum(n)."""
     num = A(n)
     return StepResult(rows=np.arange(len(c)), computed=A(c), num_scheduled=num,
                       q_start=np.cumsum(num) - num, valid=A(valid),
-                      samples=np.ones(len(c), dtype=bool), num_draft_tokens=A(k))
+                      samples=np.ones(len(c), dtype=bool), num_draft_tokens=A(k),
+                      catch_up=A(catch_up) if catch_up else np.zeros(len(c), dtype=np.int64))
 
 
 def token_table(length: int = 16) -> np.ndarray:
@@ -88,3 +90,51 @@ def test_plan_step_rows_counts_every_pass_and_the_one_row_steps() -> None:
     step = plan_step_rows(get_method("eagle"), A([3, 1, 5]), A([4, 2, 0]))
     assert step.counts == {"target": 9, "draft": 9, "step_1": 2, "step_2": 1, "step_3": 1}
     assert plan_step_rows(None, A([3, 1]), A([0, 0])).counts == {"target": 4}
+
+
+def test_a_parked_request_has_no_context_rows() -> None:
+    """dflash, both decoding: request 0 samples with k = 0 (parked: no rows in any
+    pass, its 2 rows of lag kept for later); request 1 drafts 2 level with its target.
+    A prefill piece (not sampling) with k = 0 keeps its context rows."""
+    method = get_method("dflash")
+    step = plan_step_rows(method, A([1, 1, 4]), A([0, 2, 0]), behind=A([2, 0, 0]),
+                          samples=A([True, True, False]))
+    context, query = step.passes
+    assert context.rows.tolist() == [0, 1, 4] and query.rows.tolist() == [0, 3, 0]
+    assert step.parked is not None and step.parked.tolist() == [True, False, False]
+    assert step.catch_up is not None and step.catch_up.tolist() == [0, 0, 0]
+    # Without the runner's counts nobody parks (the layout tests above).
+    assert plan_step_rows(method, A([1]), A([0])).passes[0].rows.tolist() == [1]
+
+
+def test_a_request_drafting_again_catches_up_from_the_feature_cache() -> None:
+    """dflash, c = 10, its drafter 3 behind (parked for 3 steps), n = 2, L = 1, k = 2:
+    the context segment starts at c - 3 = 7 with 3 catch-up rows that read the cached
+    features at their own positions, then the chunk's real row from this step's target
+    pass, then the rejected position as padding."""
+    method = get_method("dflash")
+    step = plan_step_rows(method, A([2]), A([2]), behind=A([3]), samples=A([True]))
+    context, query = step.passes
+    assert context.rows.tolist() == [5] and query.rows.tolist() == [3]
+    assert step.catch_up is not None and step.catch_up.tolist() == [3]
+    res = result(c=[10], n=[2], valid=[1], k=[2], catch_up=[3])
+    out = fill_pass(context, res, token_table(), MASK)
+    assert out.positions.tolist() == [7, 8, 9, 10, 11] and out.starts.tolist() == [7]
+    assert out.token_ids.tolist() == [7, 8, 9, 10, 0]
+    assert out.cached.tolist() == [True, True, True, False, False]
+    assert out.hidden_src.tolist() == [MASK_ROW] * 3 + [0, MASK_ROW]
+    # The query block is where it was: at c + L.
+    assert fill_pass(query, res, token_table(), MASK).positions.tolist() == [11, 12, 13]
+
+
+def test_eagle_catch_up_rows_are_shifted_and_it_reads_past_them() -> None:
+    """eagle, c = 10, 2 behind, n = 1, L = 1, k = 2: rows at 8, 9 carry the tokens at
+    9, 10 (shifted) from the cache; the row at 10 carries the new bonus token (11) and
+    is the one read, 2 rows into the slice."""
+    method = get_method("eagle")
+    (draft,) = plan_step_rows(method, A([1]), A([2]), behind=A([2]),
+                              samples=A([True])).passes
+    out = fill_pass(draft, result(c=[10], n=[1], valid=[1], k=[2], catch_up=[2]),
+                    token_table(), MASK)
+    assert out.positions.tolist() == [8, 9, 10] and out.token_ids.tolist() == [9, 10, 11]
+    assert out.cached.tolist() == [True, True, False] and out.readout.tolist() == [2]
