@@ -134,7 +134,7 @@ class ThrottleRule:
         method = self.method
         if method is None:
             return ChunkPlan(n, num_spec, k, (n,), 0, k, samples=samples)
-        context = int(context_rows(self.parks, n, k, behind, samples))
+        context = context_rows(self.parks, n, k, behind, samples)
         return ChunkPlan(n, num_spec, k, (n, *method.rows(n, k, context)),
                          method.lookahead_slots(k), k, samples=samples)
 

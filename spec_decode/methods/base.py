@@ -22,10 +22,9 @@ whose trained head it may serve with (`shares_head_with`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import numpy as np
-import numpy.typing as npt
 
 if TYPE_CHECKING:
     from spec_decode.proposer import TokenProposer
@@ -145,15 +144,19 @@ class SpecMethod:
                         "runner, not with a token proposer")
 
 
-def context_rows(parks: bool, n: npt.ArrayLike, k: npt.ArrayLike, behind: npt.ArrayLike,
-                 samples: npt.ArrayLike) -> np.ndarray:
+IntLike = TypeVar("IntLike", int, np.ndarray)
+
+
+def context_rows(parks: bool, n: IntLike, k: IntLike, behind: IntLike,
+                 samples: IntLike) -> IntLike:
     """Rows each request puts in a context pass: its chunk, after the `behind` rows its
     drafter skipped while parked (positions [c - behind, c), whose target features
     wait in the drafter's feature cache); none while parked (it samples with k = 0,
     under a method that `parks`). The one rule the scheduler charges by and the
     runner builds by; each keeps its own count of `behind`, so a drift between them
-    is a refused step (runner/invariant.py)."""
-    n = np.asarray(n)
+    is a refused step (runner/invariant.py). Ints or arrays alike (a product for
+    "and", so one request's charge costs no numpy call)."""
     if not parks:
         return n
-    return np.where(np.asarray(samples) & (np.asarray(k) == 0), 0, n + np.asarray(behind))
+    parked = samples * (k == 0)
+    return (n + behind) * (1 - parked)

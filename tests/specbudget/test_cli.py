@@ -122,7 +122,13 @@ def test_generate_refuses_user_errors_in_one_line(argv: list[str], says: str,
     (["--kv-cache-memory", "100T"], "is more than this cpu device has"),
 ])
 def test_generate_refuses_what_the_engine_refuses_in_one_line(
-        argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+        argv: list[str], says: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # No trained head, whatever this machine's cache holds (a head trained here would
+    # otherwise be served, and eagle not refused).
+    from runner import drafter
+
+    monkeypatch.setattr(drafter, "trained_head_dir", lambda _path, name: tmp_path / name)
     _one_line_refusal(["generate", *argv], says, capsys)
 
 
