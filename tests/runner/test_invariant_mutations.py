@@ -260,3 +260,37 @@ def test_a_new_method_is_one_class() -> None:
         drain(sched, runner)
         assert runner.last_step is not None and runner.last_step.max_position() < 64
     assert EchoMethod.name not in methods.method_names()  # gone after the block
+
+
+def second_step(kind: str, method: str) -> tuple[Scheduler, Any]:
+    """A scheduler and runner after one honest step (both requests drafting K)."""
+    sched, runner = build(kind, method)
+    sched.add_request(Request("r", [100 + i for i in range(12)], SamplingParams(max_tokens=50)))
+    out = sched.schedule()
+    sched.update_from_output(out, runner.execute(out))
+    return sched, runner
+
+
+@pytest.mark.parametrize("kind", RUNNERS)
+def test_a_scheduler_whose_drafter_lag_drifted_is_refused(kind: str) -> None:
+    """Broken on purpose: the scheduler believes r's drafter is 2 positions behind (it
+    is level), so it charges 2 catch-up rows the runner, counting its own lag, never
+    builds. Parking's charge is not checked against a copy of itself."""
+    sched, runner = second_step(kind, "dflash")
+    sched.requests["r"].num_drafter_computed -= 2
+    out = sched.schedule()
+    assert_refused_untouched(runner, out, r"pass 'context' built \d+ rows but the "
+                                          r"scheduler charged \d+")
+
+
+@pytest.mark.parametrize("kind", RUNNERS)
+def test_a_runner_whose_drafter_is_ahead_is_refused(kind: str) -> None:
+    """Broken on purpose: the runner's own count puts r's drafter past its target."""
+    sched, runner = second_step(kind, "eagle")
+    if isinstance(runner, SimulatedRunner):
+        runner.reqs["r"].num_drafter_computed += 3
+    else:
+        runner.states.num_drafter_computed[runner.states.row_of["r"]] += 3
+    out = sched.schedule()
+    with pytest.raises(BudgetInvariantError, match=r"'r''s drafter is 3 positions ahead"):
+        runner.execute(out)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from runner import BudgetInvariantError
+from runner.invariant import check_filled
 from spec_decode.methods import PassRecipe, get_method
 from spec_decode.passes import MASK_ROW, PassRows, StepResult, fill_pass, plan_step_rows
 
@@ -138,3 +141,17 @@ def test_eagle_catch_up_rows_are_shifted_and_it_reads_past_them() -> None:
                     token_table(), MASK)
     assert out.positions.tolist() == [8, 9, 10] and out.token_ids.tolist() == [9, 10, 11]
     assert out.cached.tolist() == [True, True, False] and out.readout.tolist() == [2]
+
+
+def test_a_catch_up_row_reading_an_uncomputed_position_is_refused() -> None:
+    """Broken on purpose: a catch-up row at c (this step's chunk, whose features are
+    not cached yet) must be refused before the drafter reads the cache."""
+    method = get_method("dflash")
+    context, _ = plan_step_rows(method, A([2]), A([2]), behind=A([3]),
+                                samples=A([True])).passes
+    res = result(c=[10], n=[2], valid=[1], k=[2], catch_up=[3])
+    out = fill_pass(context, res, token_table(), MASK)
+    check_filled("dflash", out, res.q_start, res.num_scheduled, res.computed)  # honest
+    out.cached[3], out.hidden_src[3] = True, MASK_ROW  # the row at position 10 = c
+    with pytest.raises(BudgetInvariantError, match="cached target features at positions"):
+        check_filled("dflash", out, res.q_start, res.num_scheduled, res.computed)
