@@ -16,6 +16,7 @@ from scheduler.budget import ThrottleRule
 from scheduler.goodput import (
     AcceptanceEstimates,
     DraftCosts,
+    ForecastCheck,
     GoodputPolicy,
     GoodputSettings,
     StepTimeModel,
@@ -123,9 +124,11 @@ def test_the_time_model_learns_the_clock_it_is_fed() -> None:
 def test_rows_never_tried_look_cheap_until_measured() -> None:
     """Steps at one operating point (64 rows, every one a decode row; 2 ms of noise)
     teach the total but not the slope: 64 more rows are priced below the mean, so the
-    policy tries them. Once steps at varied rows are seen, the optimistic price meets
-    the mean, and the mean the clock."""
-    model = StepTimeModel("lookup", GoodputSettings())
+    policy tries them (with `optimism` on; it is off by default, so the default price
+    is the mean). Once steps at varied rows are seen, the optimistic price meets the
+    mean, and the mean the clock."""
+    model = StepTimeModel("lookup", GoodputSettings(optimism=1.0))
+    plain = StepTimeModel("lookup", GoodputSettings())
     rows = np.array([64, 128])
 
     def added(optimistic: bool) -> float:
@@ -138,6 +141,11 @@ def test_rows_never_tried_look_cheap_until_measured() -> None:
     for _ in range(200):
         model.observe(64, 64, 0, 0, 0.016 + 0.001 * 64 + float(rng.normal(0, 0.002)))
     assert added(True) < 0.8 * added(False)
+    for _ in range(200):
+        plain.observe(64, 64, 0, 0, 0.016 + 0.001 * 64 + float(rng.normal(0, 0.002)))
+    none = np.zeros(2)
+    assert np.allclose(plain.predict_optimistic(rows, rows, none, none),
+                       plain.predict(rows, rows, none, none))
     for _ in range(200):
         decode = int(rng.integers(32, 160))
         model.observe(decode, decode, 0, 0,
@@ -165,6 +173,60 @@ def test_a_request_that_keeps_rejecting_stops_drafting() -> None:
     got = gp.caps(history([200, 200, 0]), np.array([0, 195, 0]), np.zeros(3, dtype=int),
                   np.full(3, K))
     assert got[0] == 0 and got[1] == K and 0 < got[2] < K
+
+
+def test_a_fresh_request_gets_less_optimism_as_the_method_is_measured() -> None:
+    """A request with no history is rated above the method's rates (so the policy
+    learns it), by less once the method has verified many drafts."""
+    gp = GoodputPolicy(ThrottleRule(get_method("ngram"), K, 4096), 8192)
+    fresh = (history([0]), np.zeros(1), np.full(1, FRESH))
+    bonus = [float(gp.acceptance.request_rates(*fresh)[0, 0]
+                   - gp.acceptance.position_rates()[FRESH, 0])]
+    gp.acceptance.record([K] * 400, [1, 0] * 200)
+    bonus.append(float(gp.acceptance.request_rates(*fresh)[0, 0]
+                       - gp.acceptance.position_rates()[FRESH, 0]))
+    assert bonus[0] == pytest.approx(GoodputSettings().explore)
+    assert 0 < bonus[1] < bonus[0] / 5
+
+
+def forecast_gap(forecast_weight: float) -> list[int]:
+    """Caps of 16 requests stepped by a policy whose estimates rate its drafts at 0.7
+    (pinned: nothing it learns changes them) while every draft is rejected; rows are
+    cheap, so at 0.7 every draft pays and at a tenth of it none does."""
+    gp = policy("ngram", 0.02, 0.0003, acceptance=0.7, forecast_weight=forecast_weight)
+    pinned = gp.acceptance.request_rates(history([40] * 17), np.full(17, 28),
+                                         np.full(17, FRESH))  # 16 and a fresh one
+    gp.acceptance.request_rates = lambda *_: pinned  # type: ignore[method-assign]
+    got = []
+    for _ in range(60):
+        cap = caps(gp, 16)
+        got.append(int(cap.sum()))
+        verified = [int(c) for c in cap if c]
+        gp.observe_step(verified, [0] * len(verified), [FRESH] * len(verified),
+                        (16, 16, 0, 0), None)
+    return got
+
+
+def test_drafts_forecast_to_pay_that_never_do_stop() -> None:
+    """The forecast check: the chosen drafts got none of the 0.7 forecast, so the
+    forecasts are scaled down until no draft is worth it. With the check held off (a
+    prior no outcome can move), the same estimates draft to the end."""
+    checked = forecast_gap(GoodputSettings().forecast_weight)
+    assert checked[0] > 0 and checked[-10:] == [0] * 10
+    unchecked = forecast_gap(1e12)
+    assert min(unchecked) > 0
+
+
+def test_the_forecast_check_waits_a_step_for_its_outcome() -> None:
+    """Drafts allowed when a step is planned are verified by the next one: the first
+    step's verifications (none were allowed before) settle nothing."""
+    check = ForecastCheck(GoodputSettings(forecast_weight=1.0))
+    check.expect(4.0, 8)
+    check.settle(0, 8)
+    assert check.factor == 1.0
+    check.expect(1.0, 8)
+    check.settle(2, 8)  # settles the first forecast: 0.5 per draft, 8 verified, 2 got
+    assert check.factor == pytest.approx((1.0 * 0.999 ** 8 + 2) / (1.0 * 0.999 ** 8 + 4))
 
 
 def test_more_load_means_fewer_drafts() -> None:
@@ -314,9 +376,13 @@ def test_the_scheduler_stops_drafting_when_the_clock_says_it_loses() -> None:
 
 
 def test_the_scheduler_drafts_the_most_when_rows_are_cheap() -> None:
+    """The prior prices a verification row at ~1 ms; a few steps of drafting teach
+    the model that rows are nearly free here, and from then on every request drafts K
+    (until the rule cuts k near max_tokens)."""
     sched, outputs = run_workload("goodput", 0.00001, 0.9)
     chosen = sched.stats.goodput.chosen_k
-    assert chosen[K] > sum(chosen[:K])  # most sampling requests drafted K
+    assert chosen[K] == max(chosen)
+    assert any(sorted(out.num_draft_tokens.values()) == [K] * 16 for out in outputs[:10])
     assert sched.stats.goodput.num_timed_steps == len(outputs)
 
 
