@@ -86,11 +86,15 @@ class GoodputSettings:
     explore: float = 0.2  # optimism for a request with no history, ~ 1 / (1 + seen)
     forgetting: float = 0.995  # of the step-time fit's data, per observed step
     # Standard deviations by which the time model's price of extra rows is taken low
-    # (exploration: an operating point never left teaches no slope). Off by default:
-    # the priors price rows sanely, and the fit forgets, so its spread regrows while
-    # nobody drafts; at 1.0, dflash at 64 running drafted all 34 of its requests at a
-    # forecast first-draft acceptance of 0.15 every ~10 steps to the end (measured).
-    optimism: float = 0.0
+    # (exploration: an operating point never left teaches no slope; without it, ngram
+    # at one request stopped drafting on the prior's price of a row and ran at 0.90x
+    # speculation off, against 1.54x with it, measured) ...
+    optimism: float = 1.0
+    # ... but never below this share of their mean price: the fit forgets, so its
+    # spread regrows while nobody drafts, and at 64 running an unbounded discount had
+    # dflash draft all 34 requests at a forecast first-draft acceptance of 0.15 every
+    # ~10 steps to the end (measured).
+    optimism_floor: float = 0.5
     # Drafts behind the forecast check's prior (that forecasts are right).
     forecast_weight: float = 16.0
 
@@ -230,6 +234,7 @@ class StepTimeModel:
         self.noise_var = 1e-6  # of one step's time around the fit (s^2): ~1 ms to start
         self.forgetting = settings.forgetting
         self.optimism = settings.optimism
+        self.optimism_floor = settings.optimism_floor
         self.num_observed = 0
 
     @staticmethod
@@ -264,7 +269,8 @@ class StepTimeModel:
     def predict_optimistic(self, target: np.ndarray, logits: np.ndarray,
                            drafter: np.ndarray, passes: np.ndarray) -> np.ndarray:
         """Seconds of each step, the first the base: what each adds to the base is
-        predicted `optimism` standard deviations low (never below 0). Where no step
+        predicted `optimism` standard deviations low (never below `optimism_floor` of
+        its mean). Where no step
         has varied the rows (a batch that never drafts keeps one operating point), the
         slope is unknown and the extra rows look cheap, so the policy tries them and
         measures; once measured, the deviation is small and the mean decides."""
@@ -272,7 +278,9 @@ class StepTimeModel:
         mean = x @ self.theta
         extra = x - x[0]
         spread = np.sqrt(self.noise_var * ((extra @ self.cov) * extra).sum(axis=1))
-        added = np.maximum(mean - mean[0] - self.optimism * spread, 0.0)
+        extra_mean = np.maximum(mean - mean[0], 0.0)
+        added = np.maximum(extra_mean - self.optimism * spread,
+                           self.optimism_floor * extra_mean)
         return np.maximum(mean[0] + added, 1e-6)
 
     def observe(self, target: int, logits: int, drafter: int, passes: int,

@@ -124,34 +124,35 @@ def test_the_time_model_learns_the_clock_it_is_fed() -> None:
 def test_rows_never_tried_look_cheap_until_measured() -> None:
     """Steps at one operating point (64 rows, every one a decode row; 2 ms of noise)
     teach the total but not the slope: 64 more rows are priced below the mean, so the
-    policy tries them (with `optimism` on; it is off by default, so the default price
-    is the mean). Once steps at varied rows are seen, the optimistic price meets the
-    mean, and the mean the clock."""
-    model = StepTimeModel("lookup", GoodputSettings(optimism=1.0))
-    plain = StepTimeModel("lookup", GoodputSettings())
-    rows = np.array([64, 128])
+    policy tries them, but never below `optimism_floor` of the mean (the fit forgets,
+    so its spread regrows while nobody drafts). Without optimism the price is the
+    mean. Once steps at varied rows are seen, the optimistic price meets the mean, and
+    the mean the clock."""
+    models = {knob: StepTimeModel("lookup", GoodputSettings(optimism=knob))
+              for knob in (0.0, 1.0, 100.0)}
+    rows, none = np.array([64, 128]), np.zeros(2)
 
-    def added(optimistic: bool) -> float:
-        none = np.zeros(2)
+    def added(knob: float, optimistic: bool = True) -> float:
+        model = models[knob]
         got = (model.predict_optimistic(rows, rows, none, none) if optimistic
                else model.predict(rows, rows, none, none))
         return float(got[1] - got[0])
 
     rng = np.random.default_rng(4)
     for _ in range(200):
-        model.observe(64, 64, 0, 0, 0.016 + 0.001 * 64 + float(rng.normal(0, 0.002)))
-    assert added(True) < 0.8 * added(False)
-    for _ in range(200):
-        plain.observe(64, 64, 0, 0, 0.016 + 0.001 * 64 + float(rng.normal(0, 0.002)))
-    none = np.zeros(2)
-    assert np.allclose(plain.predict_optimistic(rows, rows, none, none),
-                       plain.predict(rows, rows, none, none))
+        seconds = 0.016 + 0.001 * 64 + float(rng.normal(0, 0.002))
+        for model in models.values():
+            model.observe(64, 64, 0, 0, seconds)
+    mean = added(1.0, optimistic=False)
+    assert added(1.0) < 0.8 * mean
+    assert added(100.0) == pytest.approx(GoodputSettings().optimism_floor * mean)
+    assert added(0.0) == pytest.approx(added(0.0, optimistic=False))
     for _ in range(200):
         decode = int(rng.integers(32, 160))
-        model.observe(decode, decode, 0, 0,
-                      0.016 + 0.001 * decode + float(rng.normal(0, 0.001)))
-    assert added(True) == pytest.approx(added(False), rel=0.05)
-    assert added(False) == pytest.approx(0.064, rel=0.05)
+        models[1.0].observe(decode, decode, 0, 0,
+                            0.016 + 0.001 * decode + float(rng.normal(0, 0.001)))
+    assert added(1.0) == pytest.approx(added(1.0, optimistic=False), rel=0.05)
+    assert added(1.0, optimistic=False) == pytest.approx(0.064, rel=0.05)
 
 
 def test_no_drafts_where_the_model_predicts_a_loss() -> None:
