@@ -22,6 +22,7 @@ import torch
 from runner.attention import AttentionMetadata, get_attention_backend
 from runner.buffers import StepBuffers
 from runner.config import DTYPES, RunnerConfig, kv_bytes_per_block
+from runner.feature_capture import FeatureCapture
 from runner.input_prep import PreparedStep, prepare_inputs, write_spec_tokens
 from runner.invariant import StepFacts, check_step
 from runner.model_loader import load_model, pack_for_inference
@@ -107,6 +108,14 @@ class ModelRunner:
         # Seconds per phase of the last step, when `record_timings` is on (benchmarks).
         self.record_timings = False
         self.last_timings: dict[str, float] = {}
+        self.capture: FeatureCapture | None = None  # drafter training data, if attached
+
+    def attach_capture(self, capture: FeatureCapture | None) -> None:
+        """Keep every request's target features from now on (None: stop)."""
+        if capture is not None and self.spec is not None:
+            raise ValueError("feature capture needs speculation off: rows past the "
+                             "accepted drafts hold features of rejected tokens")
+        self.capture = capture
 
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -199,6 +208,8 @@ class ModelRunner:
             self.states.remove(req_id)
             if self.spec:
                 self.spec.remove_request(req_id, False)
+            if self.capture is not None:
+                self.capture.discard(req_id)
 
     def _step_facts(self, out: SchedulerOutput, req_ids: list[str]) -> StepFacts:
         """Each scheduled request's counters as the runner holds them (a new request's
@@ -267,6 +278,9 @@ class ModelRunner:
             computed = self.states.num_computed[step.rows].copy()
         with self._phase("forward"):
             hidden, features = self._forward(step)
+            if self.capture is not None:
+                self.capture.record(step.req_ids, computed, step.num_scheduled, features,
+                                    hidden[:step.num_tokens])
             logits_idx = self.buffers.logits_indices.copy_to_device(step.num_logits)
             logits = self.model.compute_logits(hidden[logits_idx])  # [num_logits, V]
         with self._phase("sample"):
@@ -298,7 +312,8 @@ class ModelRunner:
         )
         input_ids = buffers.input_ids.copy_to_device(n)
         positions = buffers.positions.copy_to_device(n)
-        aux_ids = self.spec.aux_layer_ids if self.spec else ()
+        aux_ids = (self.spec.aux_layer_ids if self.spec
+                   else self.capture.aux_layer_ids if self.capture else ())
         return self.model.forward_with_aux(input_ids, positions, self.kv_caches, meta,
                                            self.attn, aux_ids)
 

@@ -15,9 +15,10 @@ BLOCK = 16
 @torch.inference_mode()
 def target_features(model: LlamaForCausalLM, windows: torch.Tensor,
                     aux_layer_ids: tuple[int, ...], dtype: torch.dtype = torch.float16
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """windows [N, T] token ids -> (aux [N, T, len(ids)·H] in `dtype` (fp16 halves
-    the memory of a training set), labels [N, T]).
+    the memory of a training set), labels [N, T], final [N, T, H] the final normed
+    hidden states in `dtype`, from which the LM head gives the target's distribution).
 
     labels[i, t] is the target's greedy prediction after tokens [0, t] of window i:
     the token the drafter should propose for position t + 1.
@@ -46,4 +47,5 @@ def target_features(model: LlamaForCausalLM, windows: torch.Tensor,
     hidden, aux = model.forward_with_aux(windows.reshape(-1).to(device), positions, kv, meta,
                                          get_attention_backend("torch"), aux_layer_ids)
     labels = model.compute_logits(hidden).argmax(dim=-1)
-    return aux.to(dtype).view(num, length, -1).cpu(), labels.view(num, length).cpu()
+    return (aux.to(dtype).view(num, length, -1).cpu(), labels.view(num, length).cpu(),
+            hidden.to(dtype).view(num, length, -1).cpu())

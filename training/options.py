@@ -28,6 +28,17 @@ def at_least(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def non_negative(text: str) -> float:
+    """An argparse type: a finite float >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0.0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def trainable_methods() -> tuple[str, ...]:
     """The registered methods with a head to train (a `train_layout`): `--method`'s
     choices, read when the parser is built."""
@@ -46,6 +57,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--updates", type=at_least(1), default=300)
     parser.add_argument("--max-prompts", type=at_least(1), default=None,
                         help="use only the first N training instructions")
+    parser.add_argument("--loss", choices=("kl", "ce"), default="kl",
+                        help="kl: the target's distribution over the draft vocabulary "
+                             "(soft targets); ce: its greedy token only")
+    parser.add_argument("--noise", type=non_negative, default=0.05,
+                        help="Gaussian noise on the fed features, times each row's RMS")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="the target's dtype while generating data (default: what "
+                             "the engine serves in)")
+    parser.add_argument("--generate-batch", type=at_least(1), default=64,
+                        help="requests the target answers at once while generating data")
+    parser.add_argument("--served-prompts", type=at_least(0), default=12,
+                        help="held-out instructions served with the new head after "
+                             "training, against speculation off (0: skip)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="output dir (default: the model cache)")
     parser.add_argument("--no-progress", action="store_true")

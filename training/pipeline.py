@@ -1,17 +1,23 @@
 """`specbudget train-drafter`: self-distilled data, target features, a trained head.
 
-1. Data. Chat: the target answers the built-in instructions (training/prompts.py)
-   greedily, as it answers when a greedy request is served, through the engine's
-   batched `LLM.chat`. Code: standard-library modules, teacher-forced. Both are cut
-   into fixed windows; evaluation uses held-out topics and files only.
-2. Features and labels from the target's own paged forward (training/features.py).
-3. A reduced draft vocabulary from the training labels, a head whose LM head and
+1. Data, in the engine's serving dtype. Chat: the target answers training
+   instructions greedily, as it answers when a greedy request is served, through the
+   engine's batched `LLM.chat`, with its features (three layers' inputs, its final
+   hidden state) kept by the runner while it generates (training/generate.py);
+   instructions of many task kinds, text from the machine, and second turns that
+   hold the target's own first answer (training/prompts.py). Code: standard-library
+   modules, teacher-forced (training/features.py). Evaluation uses held-out topics
+   and files only.
+2. A reduced draft vocabulary from the training labels, a head whose LM head and
    final norm start as the target's own (rows of the draft vocabulary), then
    training-time-test training in the method's serving layout (training/train.py,
-   training/layouts.py), with checkpoints to resume from.
-4. The head is written in the EAGLE-3 layout (runner/eagle3.py) to `--out`, by default
+   training/layouts.py) on soft targets (the target's distribution over the draft
+   vocabulary), with noise on the fed features and checkpoints to resume from.
+3. The head is written in the EAGLE-3 layout (runner/eagle3.py) to `--out`, by default
    the model cache's `heads/<model>/<method>/`, where `"method": "eagle"` without a
-   `model` finds it. A `metrics.json` beside it gives held-out agreement.
+   `model` finds it. A `metrics.json` beside it gives held-out agreement and the
+   served figure: the head served on held-out chat against speculation off
+   (training/served.py).
 """
 
 from __future__ import annotations
@@ -25,15 +31,17 @@ from pathlib import Path
 import torch
 
 from engine.llm import LLM
+from runner.config import RunnerConfig
 from runner.eagle3 import Eagle3Config, Eagle3Head, save_eagle3, trained_head_dir
 from runner.model_loader import load_model, read_config
 from runner.model_prep import resolve_model
 from runner.models.llama import LlamaForCausalLM
-from scheduler import SamplingParams
 from training.data import code_windows
 from training.features import target_features
+from training.generate import Windows, generate_windows
 from training.layouts import greedy_run
-from training.prompts import instructions
+from training.prompts import first_turns, follow_up, instructions
+from training.served import served_figures
 from training.train import (
     IGNORE,
     Batch,
@@ -51,70 +59,69 @@ FEATURE_CHUNK = 16  # windows per target forward
 # quarter code keeps the head general. (Not tuned: against half and half, served
 # first-draft acceptance moved only from 0.30 to 0.31.)
 CHAT_SHARE = 0.75
+# Of the chat windows, second turns whose context holds the target's own first answer.
+FOLLOW_SHARE = 0.25
 
 
-def chat_windows(llm: LLM, prompts: list[str], max_windows: int, seed: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The target's own answers, prompt included: [N, WINDOW] ids, real lengths and
-    prompt lengths."""
-    params = SamplingParams(max_tokens=WINDOW, temperature=0.0, seed=seed)
-    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts[:max_windows]],
-                    params)
-    eos = llm.tokenizer.eos_token_id or 0
-    windows, lengths, prompt_lengths = [], [], []
-    for out in outs:
-        ids = (out.prompt_token_ids + list(out.outputs[0].token_ids))[:WINDOW]
-        lengths.append(len(ids))
-        prompt_lengths.append(len(out.prompt_token_ids))
-        windows.append(ids + [eos] * (WINDOW - len(ids)))
-    return (torch.tensor(windows, dtype=torch.int64), torch.tensor(lengths),
-            torch.tensor(prompt_lengths))
+def chat_data(llm: LLM, prompts: list[str], count: int, aux_ids: tuple[int, ...]
+              ) -> Windows:
+    """`count` windows of the target's own answers, features captured while it
+    generates: first turns, and (FOLLOW_SHARE of them) second turns that carry the
+    target's own first answer in their context."""
+    num_follow = round(count * FOLLOW_SHARE) if len(prompts) > 1 else 0
+    firsts = prompts[:count - num_follow]
+    first, answers = generate_windows(llm, [[{"role": "user", "content": p}] for p in firsts],
+                                      WINDOW, aux_ids)
+    if not num_follow:
+        return first
+    texts = [llm.tokenizer.decode(a) for a in answers[:num_follow]]
+    second, _ = generate_windows(llm, [follow_up(p, t, i) for i, (p, t)
+                                       in enumerate(zip(firsts, texts, strict=False))],
+                                 WINDOW, aux_ids)
+    return Windows.cat([first, second])
 
 
-def build_batch(model: LlamaForCausalLM, windows: torch.Tensor, lengths: torch.Tensor,
-                prompt_lengths: torch.Tensor, aux_ids: tuple[int, ...]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features and target labels (target ids) for every window. Padding, and the
-    labels of prompt text (position t labels the token at t + 1, which serving never
-    drafts inside a prompt), are IGNORE; the prompt stays as context."""
-    feats, labels = [], []
+def code_data(model: LlamaForCausalLM, windows: torch.Tensor, aux_ids: tuple[int, ...]
+              ) -> Windows:
+    """Features and the target's greedy labels of standard-library code, teacher-forced
+    (it is text the target reads, not text it writes)."""
+    parts = []
     for start in range(0, len(windows), FEATURE_CHUNK):
-        aux, lab = target_features(model, windows[start:start + FEATURE_CHUNK], aux_ids)
-        feats.append(aux)
-        labels.append(lab)
-    label = torch.cat(labels)
-    pos = torch.arange(WINDOW)[None, :]
-    unlabelled = (pos >= lengths[:, None]) | (pos + 1 < prompt_lengths[:, None])
-    return torch.cat(feats), label.masked_fill(unlabelled, IGNORE)
+        chunk = windows[start:start + FEATURE_CHUNK]
+        aux, labels, final = target_features(model, chunk, aux_ids)
+        parts.append(Windows(chunk, aux, final, labels))
+    return Windows.cat(parts)
 
 
 def self_distilled_data(llm: LLM, model: LlamaForCausalLM, args: argparse.Namespace,
                         aux_ids: tuple[int, ...], cache: Path) -> dict[str, tuple]:
-    """(windows, aux, labels) per split, kept in `cache/<key>.pt`: the data depends
-    only on the target, the seed and the sizes, so the heads of every method share
-    it, and a resumed run does not generate it again."""
-    key = hashlib.sha256(json.dumps(["v4", CHAT_SHARE, model.config.hidden_size,
-                                     args.tokens, args.seed, args.max_prompts, WINDOW,
-                                     list(aux_ids), str(args.model)]).encode()
-                         ).hexdigest()[:16]
+    """(windows, aux, final, labels) per split, kept in `cache/<key>.pt`: the data
+    depends only on the target, its dtype, the seed and the sizes, so the heads of
+    every method share it, and a resumed run does not generate it again. Evaluation
+    asks the held-out instructions (`instructions("eval")`, the benchmarks' held-out
+    workload), first turns only."""
+    key = hashlib.sha256(json.dumps(["v5", CHAT_SHARE, FOLLOW_SHARE, model.config.hidden_size,
+                                     str(model.lm_head.weight.dtype), args.tokens,
+                                     args.seed, args.max_prompts, WINDOW, list(aux_ids),
+                                     str(args.model)]).encode()).hexdigest()[:16]
     file = cache / f"{key}.pt"
     if file.exists():
         return dict(torch.load(file, weights_only=True))
     windows_total = max(2, args.tokens // WINDOW)
     splits = {}
-    for split, count, chat_prompts in (("train", windows_total,
-                                        instructions("train")[:args.max_prompts]),
-                                       ("eval", max(2, windows_total // 10),
-                                        instructions("eval"))):
-        num_chat = max(1, round(count * CHAT_SHARE))
-        chat, chat_len, chat_prompt = chat_windows(llm, chat_prompts, num_chat, args.seed)
+    for split, count, chat_prompts in (
+            ("train", windows_total, first_turns("train", args.seed)[:args.max_prompts]),
+            ("eval", max(2, windows_total // 10), instructions("eval"))):
+        num_chat = min(max(1, round(count * CHAT_SHARE)), len(chat_prompts))
+        if split == "eval":
+            chat = generate_windows(llm, [[{"role": "user", "content": p}]
+                                          for p in chat_prompts[:num_chat]], WINDOW,
+                                    aux_ids)[0]
+        else:
+            chat = chat_data(llm, chat_prompts, num_chat, aux_ids)
         # Code fills what chat could not (fewer instructions than chat windows).
         code = code_windows(llm.tokenizer, WINDOW, max(1, count - len(chat)), split)
-        windows = torch.cat((chat, code))
-        lengths = torch.cat((chat_len, torch.full((len(code),), WINDOW)))
-        prompts = torch.cat((chat_prompt, torch.zeros(len(code), dtype=torch.int64)))
-        aux, labels = build_batch(model, windows, lengths, prompts, aux_ids)
-        splits[split] = (windows, aux, labels)
+        splits[split] = Windows.cat([chat, code_data(model, code, aux_ids)]).as_tuple()
     cache.mkdir(parents=True, exist_ok=True)
     tmp = file.with_suffix(".tmp")
     torch.save(splits, tmp)
@@ -136,28 +143,36 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     check_arguments(args)
     path = resolve_model(args.model)
-    model = load_model(path)
-    llm = LLM(model=args.model, loaded_model=model, max_model_len=512, max_num_seqs=64,
-              max_num_batched_tokens=2048)
+    # The serving dtype: the head learns the features it will read, and bfloat16
+    # generates the data several times faster than float32 on a CPU that has it.
+    model = load_model(path, RunnerConfig(dtype=args.dtype).torch_dtype)
+    llm = LLM(model=args.model, loaded_model=model, max_model_len=512,
+              max_num_seqs=args.generate_batch, max_num_batched_tokens=2048,
+              enable_prefix_caching=False)  # every position run: the capture keeps it
     config = Eagle3Config.for_target(model.config, args.draft_vocab_size)
     out = Path(args.out) if args.out else trained_head_dir(path, args.method)
     splits = self_distilled_data(llm, model, args, config.aux_layer_ids, out.parent / "data")
     data_s = time.monotonic() - started
-    train_labels = splits["train"][2]
+    train_labels = splits["train"][3]  # (tokens, aux, final, labels)
     d2t, t2d = draft_vocab(train_labels[train_labels >= 0], model.config.vocab_size,
                            args.draft_vocab_size)
 
+    # The target's LM head rows of the draft vocabulary: its distribution there is
+    # what the soft-target loss teaches.
+    teacher = (model.lm_head.weight.detach()[torch.arange(len(d2t)) + d2t].float()
+               if args.loss == "kl" else None)
+
     def batch(split: str) -> Batch:
-        windows, aux, labels = splits[split]
+        windows, aux, final, labels = splits[split]
         # t2d gives MISSING (-1) for a token outside the draft vocabulary.
         mapped = torch.where(labels >= 0, t2d[labels.clamp(min=0)], IGNORE)
-        return Batch(aux, windows, mapped, greedy_run(windows, labels))
+        return Batch(aux, windows, mapped, greedy_run(windows, labels), final, teacher)
 
     head = Eagle3Head(config, model, seed=args.seed)
     init_from_target(head, model, d2t)
     out.mkdir(parents=True, exist_ok=True)
     train_config = TrainConfig(updates=args.updates, depth=args.num_speculative_tokens,
-                               seed=args.seed, method=args.method)
+                               seed=args.seed, method=args.method, noise=args.noise)
     train_head(head, batch("train"), train_config, checkpoint=out / "checkpoint.pt",
                progress=not args.no_progress)
     loss, accs = evaluate(head, batch("eval"), train_config.depth, args.method)
@@ -167,9 +182,17 @@ def run(args: argparse.Namespace) -> dict:
                "expected_acceptance_length": round(expected_length(accs), 3),
                "train_windows": len(splits["train"][0]),
                "eval_windows": len(splits["eval"][0]), "window": WINDOW,
-               "updates": args.updates, "seed": args.seed,
+               "updates": args.updates, "seed": args.seed, "loss": args.loss,
+               "noise": args.noise, "draft_vocab_size": args.draft_vocab_size,
+               "data_answer_tokens": int((splits["train"][3] >= 0).sum()),
                "data_s": round(data_s, 1), "wall_s": round(time.monotonic() - started, 1)}
     save_eagle3(head, out, extra={"method": args.method, "trained": metrics})
+    if args.served_prompts:
+        # The figure a user sees: the head served on held-out chat (training/served.py).
+        llm.close()
+        metrics["served"] = served_figures(model, out, args.method, train_config.depth,
+                                           num_prompts=args.served_prompts)
+        metrics["wall_s_with_served"] = round(time.monotonic() - started, 1)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     print(json.dumps(metrics))
     print(f"wrote {out}")

@@ -36,6 +36,15 @@ class Batch:
     tokens: torch.Tensor  # [N, T]
     labels: torch.Tensor  # [N, T] draft ids of the target's greedy tokens, MISSING or IGNORE
     chain: torch.Tensor  # [N, T] layouts.greedy_run of the tokens and target-id labels
+    # Soft targets: the target's final normed hidden state [N, T, H] at each position,
+    # and its LM head's rows for the draft vocabulary [draft vocab, H] (frozen): the
+    # target's distribution over the draft vocabulary is their product's softmax.
+    final: torch.Tensor | None = None
+    teacher: torch.Tensor | None = None
+
+    @property
+    def soft(self) -> bool:
+        return self.final is not None and self.teacher is not None
 
 
 def draft_vocab(labels: torch.Tensor, vocab_size: int, size: int
@@ -117,6 +126,20 @@ def hidden_device(head: Eagle3Head) -> torch.device:
     return head.fc.weight.device
 
 
+def with_noise(aux: torch.Tensor, scale: float,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """The features with Gaussian noise of `scale` times each row's RMS (a target
+    layer's inputs grow with depth, so one absolute scale would drown the first and
+    not touch the last): the head learns not to lean on any one feature's exact value,
+    as its own fed-back outputs never match the target's exactly."""
+    if scale <= 0.0:
+        return aux
+    x = aux.float()
+    rms = x.pow(2).mean(dim=-1, keepdim=True).sqrt()
+    noise = torch.randn(x.shape, generator=generator).to(x.device)
+    return (x + scale * rms * noise).to(aux.dtype)
+
+
 def unroll(head: Eagle3Head, aux: torch.Tensor, tokens: torch.Tensor, depth: int,
            layout: TrainLayout) -> list[torch.Tensor]:
     """Every step's output hidden states [N, rows, H], in the method's serving layout
@@ -145,13 +168,29 @@ def unroll(head: Eagle3Head, aux: torch.Tensor, tokens: torch.Tensor, depth: int
     return outs
 
 
+def soft_loss(logits: torch.Tensor, final: torch.Tensor, teacher: torch.Tensor
+              ) -> torch.Tensor:
+    """Forward KL from the target's distribution over the draft vocabulary (its LM
+    head's draft rows applied to its final hidden state, renormalised) to the head's:
+    every token the target finds likely teaches, not only its argmax, and a position
+    whose greedy token lies outside the draft vocabulary still teaches the rest."""
+    want = torch.log_softmax(final.to(teacher.dtype) @ teacher.T, dim=-1)
+    got = torch.log_softmax(logits.float(), dim=-1)
+    return F.kl_div(got, want.float(), log_target=True, reduction="batchmean")
+
+
 def unrolled_loss(head: Eagle3Head, batch: Batch, depth: int, layout: TrainLayout = EAGLE,
-                  decay: float = 0.8) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """Weighted cross-entropy over the method's unrolled steps; (top-1 hits, rows) of
-    each step that drafts, over the rows where it trains. A MISSING label counts as
-    a miss, as serving can never draft that token."""
-    outs = unroll(head, batch.aux, batch.tokens, depth, layout)
+                  decay: float = 0.8, noise: float = 0.0,
+                  generator: torch.Generator | None = None
+                  ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Weighted loss over the method's unrolled steps (soft targets where the batch
+    has them, else cross-entropy on the greedy token); (top-1 hits, rows) of each step
+    that drafts, over the rows where it trains. A MISSING label counts as a miss, as
+    serving can never draft that token. `noise`: see `with_noise` (training only)."""
+    outs = unroll(head, with_noise(batch.aux, noise, generator), batch.tokens, depth, layout)
     rows = outs[0].shape[1]
+    # Row r of every step predicts the label at r + label_offset (training/layouts.py).
+    at = (torch.arange(rows) + layout.label_offset).clamp(0, batch.tokens.shape[1] - 1)
     losses, weights, accs = [], [], []
     for j, out in enumerate(outs[layout.first_loss_step:], start=layout.first_loss_step):
         target = step_targets(layout, batch.labels, batch.chain, rows, j, IGNORE)
@@ -162,8 +201,12 @@ def unrolled_loss(head: Eagle3Head, batch: Batch, depth: int, layout: TrainLayou
         logits = head.compute_logits(out[scored])
         wanted = target[scored]
         known = wanted >= 0
-        if bool(known.any()):
-            weight = decay ** (j - layout.first_loss_step)
+        weight = decay ** (j - layout.first_loss_step)
+        if batch.final is not None and batch.teacher is not None:
+            final = batch.final[:, at][scored]
+            losses.append(weight * soft_loss(logits, final, batch.teacher))
+            weights.append(weight)
+        elif bool(known.any()):
             losses.append(weight * F.cross_entropy(logits[known], wanted[known]))
             weights.append(weight)
         accs.append((int((logits.argmax(-1) == wanted).sum()), int(scored.sum())))
@@ -190,10 +233,13 @@ class TrainConfig:
     method: str = "eagle"  # the serving layout trained for (training/layouts.py)
     seed: int = 0
     checkpoint_every: int = 200
+    noise: float = 0.05  # on the fed features, times each row's RMS (`with_noise`)
 
 
 def select(data: Batch, index: torch.Tensor) -> Batch:
-    return Batch(data.aux[index], data.tokens[index], data.labels[index], data.chain[index])
+    final = data.final[index] if data.final is not None else None
+    return Batch(data.aux[index], data.tokens[index], data.labels[index], data.chain[index],
+                 final, data.teacher)
 
 
 @torch.no_grad()
@@ -244,8 +290,11 @@ def train_head(head: Eagle3Head, data: Batch, config: TrainConfig,
         index = order[torch.arange(first, first + config.batch_size) % num]
         for group in opt.param_groups:
             group["lr"] = lr_at(update, config.updates, config.lr)
+        # The noise too comes from (seed, update) alone: a resumed run draws the same.
+        noise_rng = torch.Generator().manual_seed(config.seed * 1_000_003 + update + 1)
         loss, accs = unrolled_loss(head, select(data, index), config.depth,
-                                   train_layout(config.method))
+                                   train_layout(config.method), noise=config.noise,
+                                   generator=noise_rng)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

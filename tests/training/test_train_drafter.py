@@ -6,6 +6,7 @@ held-out code."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,6 @@ from training.data import code_windows, is_eval_source, stdlib_files
 from training.features import target_features
 from training.layouts import greedy_run
 from training.train import (
-    IGNORE,
     MISSING,
     Batch,
     TrainConfig,
@@ -43,14 +43,15 @@ def data() -> tuple[Batch, Batch, torch.Tensor]:
     splits = {}
     for split, count in (("train", 64), ("eval", 16)):
         windows = code_windows(tokenizer, LENGTH, count, split)
-        aux, labels = target_features(model, windows, config.aux_layer_ids)
-        splits[split] = (windows, aux, labels)
+        aux, labels, final = target_features(model, windows, config.aux_layer_ids)
+        splits[split] = (windows, aux, labels, final)
     d2t, t2d = draft_vocab(splits["train"][2], model.config.vocab_size, DRAFT_VOCAB)
+    teacher = model.lm_head.weight.detach()[torch.arange(DRAFT_VOCAB) + d2t].float()
 
     def batch(split: str) -> Batch:
-        windows, aux, labels = splits[split]
+        windows, aux, labels, final = splits[split]
         # Labels outside the draft vocabulary stay MISSING: misses, as when serving.
-        return Batch(aux, windows, t2d[labels], greedy_run(windows, labels))
+        return Batch(aux, windows, t2d[labels], greedy_run(windows, labels), final, teacher)
 
     return batch("train"), batch("eval"), d2t
 
@@ -68,13 +69,21 @@ def test_the_splits_share_no_source_file() -> None:
     assert evals and len(evals) < len(names) / 4  # about one file in ten
 
 
-@pytest.mark.parametrize("method", ["eagle", "parallel", "dflash"])
-def test_tiny_training_learns_on_held_out_code(method: str,
+def hard(batch: Batch) -> Batch:
+    """The batch without soft targets: cross-entropy on the greedy token."""
+    return replace(batch, final=None, teacher=None)
+
+
+@pytest.mark.parametrize(("method", "loss"), [("eagle", "kl"), ("parallel", "kl"),
+                                              ("dflash", "kl"), ("eagle", "ce")])
+def test_tiny_training_learns_on_held_out_code(method: str, loss: str,
                                                data: tuple[Batch, Batch, torch.Tensor],
                                                tmp_path: Path) -> None:
-    """Each layout learns: held-out loss falls and every draft agrees with the target
-    more often than before training."""
+    """Each layout learns, on soft targets and on the greedy token alone: held-out
+    loss falls and every draft agrees with the target more often than before."""
     train, held_out, d2t = data
+    if loss == "ce":
+        train, held_out = hard(train), hard(held_out)
     head = fresh_head(d2t)
     before_loss, before_acc = evaluate(head, held_out, 2, method)
     config = TrainConfig(updates=60, batch_size=8, lr=3e-3, depth=2, seed=0,
@@ -87,24 +96,12 @@ def test_tiny_training_learns_on_held_out_code(method: str,
     assert after_acc[1] > before_acc[1]  # the second draft learned too
 
 
-def test_prompt_text_and_padding_carry_no_label() -> None:
-    """Serving never drafts inside a prompt: label t (the token at t + 1) is IGNORE
-    while t + 1 is prompt text, and past a window's real length."""
-    from training.pipeline import WINDOW, build_batch
-
-    model = default_model()
-    windows = code_windows(Tokenizer.from_dir(resolve_model(None)), WINDOW, 2, "eval")
-    _, labels = build_batch(model, windows, torch.tensor([WINDOW, 100]), torch.tensor([10, 0]),
-                            Eagle3Config.for_target(model.config, DRAFT_VOCAB).aux_layer_ids)
-    assert (labels[0, :9] == IGNORE).all() and (labels[0, 9:] >= 0).all()
-    assert (labels[1, :100] >= 0).all() and (labels[1, 100:] == IGNORE).all()
-
-
 def test_a_token_outside_the_draft_vocabulary_is_a_miss_not_skipped(
         data: tuple[Batch, Batch, torch.Tensor]) -> None:
     """Serving can never draft a token the draft vocabulary lacks, so agreement counts
     it as a miss; it carries no loss (it has no draft id)."""
-    _, held_out, d2t = data
+    _, soft, d2t = data
+    held_out = hard(soft)
     head = fresh_head(d2t)
     missing = Batch(held_out.aux, held_out.tokens, torch.full_like(held_out.labels, MISSING),
                     held_out.chain)
@@ -112,6 +109,9 @@ def test_a_token_outside_the_draft_vocabulary_is_a_miss_not_skipped(
     assert float(loss) == 0.0 and accs[0][0] == 0 and accs[0][1] > 0
     scored = unrolled_loss(head, held_out, 2)[1][0][1]
     assert accs[0][1] == scored  # the same rows scored, none of them hits
+    # Soft targets: the target's distribution over the draft vocabulary still teaches
+    # there (the greedy token is missing, the rest of the mass is not).
+    assert float(unrolled_loss(head, replace(soft, labels=missing.labels), 2)[0]) > 0.0
 
 
 def test_training_is_deterministic_and_resumes(data: tuple[Batch, Batch, torch.Tensor],
@@ -148,9 +148,13 @@ def test_train_drafter_command_writes_a_head_that_serves(tmp_path: Path,
     out = tmp_path / "head"
     assert main(["train-drafter", "--tokens", "512", "--updates", "4", "--max-prompts", "2",
                  "--draft-vocab-size", "256", "--num-speculative-tokens", "2",
-                 "--no-progress", "--out", str(out)]) == 0
+                 "--served-prompts", "1", "--no-progress", "--out", str(out)]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["train_windows"] == 4 and metrics["updates"] == 4
+    assert metrics["loss"] == "kl" and metrics["data_answer_tokens"] > 0
+    served = metrics["served"]  # the head served on a held-out instruction
+    assert served["lossless"] and served["draft_tokens"] > 0
+    assert len(served["acceptance_per_position"]) == 2 and served["speedup_vs_off"] > 0
     assert len(metrics["held_out_agreement_per_step"]) == 2
     assert metrics["expected_acceptance_length"] >= 1
     config = json.loads((out / "config.json").read_text())

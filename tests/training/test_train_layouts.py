@@ -94,7 +94,7 @@ def _serve_and_record(method: str, prompt: str, monkeypatch: pytest.MonkeyPatch
 def _training_outputs(head: Any, seq: list[int], layout: TrainLayout) -> list[torch.Tensor]:
     """Every unrolled step's output rows [rows, H] over the finished sequence."""
     tokens = torch.tensor([seq])
-    aux, _ = target_features(default_model(), tokens, head.head_config.aux_layer_ids,
+    aux, _, _ = target_features(default_model(), tokens, head.head_config.aux_layer_ids,
                              dtype=torch.float32)
     with torch.no_grad():
         return [out[0] for out in unroll(head, aux, tokens, K, layout)]
