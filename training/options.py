@@ -57,9 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--updates", type=at_least(1), default=300)
     parser.add_argument("--max-prompts", type=at_least(1), default=None,
                         help="use only the first N training instructions")
-    parser.add_argument("--loss", choices=("kl", "ce"), default="kl",
-                        help="kl: the target's distribution over the draft vocabulary "
-                             "(soft targets); ce: its greedy token only")
+    # ce by measurement: at the default 300 updates on the same data, an eagle head
+    # served a mean acceptance length of 1.45 with ce against 1.37 with kl (README).
+    parser.add_argument("--loss", choices=("kl", "ce"), default="ce",
+                        help="ce: the target's greedy token; kl: its distribution over "
+                             "the draft vocabulary (soft targets)")
     parser.add_argument("--noise", type=non_negative, default=0.05,
                         help="Gaussian noise on the fed features, times each row's RMS")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",

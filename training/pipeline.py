@@ -11,8 +11,9 @@
 2. A reduced draft vocabulary from the training labels, a head whose LM head and
    final norm start as the target's own (rows of the draft vocabulary), then
    training-time-test training in the method's serving layout (training/train.py,
-   training/layouts.py) on soft targets (the target's distribution over the draft
-   vocabulary), with noise on the fed features and checkpoints to resume from.
+   training/layouts.py) on the target's greedy token or on soft targets (its
+   distribution over the draft vocabulary, `--loss kl`), with noise on the fed
+   features and checkpoints to resume from.
 3. The head is written in the EAGLE-3 layout (runner/eagle3.py) to `--out`, by default
    the model cache's `heads/<model>/<method>/`, where `"method": "eagle"` without a
    `model` finds it. A `metrics.json` beside it gives held-out agreement and the

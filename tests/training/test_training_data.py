@@ -69,6 +69,7 @@ def test_generated_windows_label_the_answer_only() -> None:
         assert int(labelled.nonzero()[0]) == 32 // 4 - 1
 
 
+@pytest.mark.model
 def test_capture_is_refused_with_speculation_or_prefix_caching_on() -> None:
     llm = LLM(loaded_model=default_model(), num_kv_blocks=16, max_model_len=64,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2},
