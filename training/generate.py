@@ -22,8 +22,7 @@ import torch
 from engine.llm import LLM
 from runner.feature_capture import CapturedFeatures, FeatureCapture
 from scheduler import SamplingParams
-
-IGNORE = -100  # training.train.IGNORE (not imported: train pulls the head's modules)
+from training.train import IGNORE
 
 
 @dataclass(frozen=True)

@@ -42,10 +42,6 @@ class Batch:
     final: torch.Tensor | None = None
     teacher: torch.Tensor | None = None
 
-    @property
-    def soft(self) -> bool:
-        return self.final is not None and self.teacher is not None
-
 
 def draft_vocab(labels: torch.Tensor, vocab_size: int, size: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:

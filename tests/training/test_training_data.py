@@ -14,7 +14,6 @@ from tests.server_helpers import default_model
 from training.features import target_features
 from training.generate import IGNORE, answer_window, generate_windows
 from training.prompts import first_turns, follow_up, instructions
-from training.train import IGNORE as TRAIN_IGNORE
 from training.train import soft_loss, with_noise
 
 PROMPTS = ["Write a haiku about rivers.", "List three facts about tea."]
@@ -94,7 +93,6 @@ def test_an_answer_window_keeps_a_quarter_window_of_prompt() -> None:
     short = answer_window(full[:15], 12, got, 16, pad=0)  # answer of 3, padded
     assert short.labels[0].tolist() == [IGNORE] * 3 + full[12:15] + [IGNORE] * 10
     assert short.tokens[0, 7:].tolist() == [0] * 9
-    assert IGNORE == TRAIN_IGNORE
 
 
 def test_a_capture_with_a_gap_is_refused() -> None:
