@@ -173,7 +173,8 @@ def run(args: argparse.Namespace) -> dict:
     init_from_target(head, model, d2t)
     out.mkdir(parents=True, exist_ok=True)
     train_config = TrainConfig(updates=args.updates, depth=args.num_speculative_tokens,
-                               seed=args.seed, method=args.method, noise=args.noise)
+                               seed=args.seed, method=args.method, noise=args.noise,
+                               autocast_bf16=model.lm_head.weight.dtype == torch.bfloat16)
     train_head(head, batch("train"), train_config, checkpoint=out / "checkpoint.pt",
                progress=not args.no_progress)
     loss, accs = evaluate(head, batch("eval"), train_config.depth, args.method)

@@ -230,6 +230,10 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 200
     noise: float = 0.05  # on the fed features, times each row's RMS (`with_noise`)
+    # The head's matmuls under bfloat16 autocast (weights, optimiser state and the
+    # loss stay float32): on a CPU with native bfloat16 an update costs half as much,
+    # measured, so the same minutes buy twice the updates.
+    autocast_bf16: bool = False
 
 
 def select(data: Batch, index: torch.Tensor) -> Batch:
@@ -288,9 +292,11 @@ def train_head(head: Eagle3Head, data: Batch, config: TrainConfig,
             group["lr"] = lr_at(update, config.updates, config.lr)
         # The noise too comes from (seed, update) alone: a resumed run draws the same.
         noise_rng = torch.Generator().manual_seed(config.seed * 1_000_003 + update + 1)
-        loss, accs = unrolled_loss(head, select(data, index), config.depth,
-                                   train_layout(config.method), noise=config.noise,
-                                   generator=noise_rng)
+        with torch.autocast(hidden_device(head).type, dtype=torch.bfloat16,
+                            enabled=config.autocast_bf16):
+            loss, accs = unrolled_loss(head, select(data, index), config.depth,
+                                       train_layout(config.method), noise=config.noise,
+                                       generator=noise_rng)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -74,12 +74,14 @@ def hard(batch: Batch) -> Batch:
     return replace(batch, final=None, teacher=None)
 
 
-@pytest.mark.parametrize(("method", "loss"), [("eagle", "kl"), ("parallel", "kl"),
-                                              ("dflash", "kl"), ("eagle", "ce")])
-def test_tiny_training_learns_on_held_out_code(method: str, loss: str,
+@pytest.mark.parametrize(("method", "loss", "bf16"), [
+    ("eagle", "kl", False), ("parallel", "kl", False), ("dflash", "kl", False),
+    ("eagle", "ce", False), ("eagle", "ce", True)])
+def test_tiny_training_learns_on_held_out_code(method: str, loss: str, bf16: bool,
                                                data: tuple[Batch, Batch, torch.Tensor],
                                                tmp_path: Path) -> None:
-    """Each layout learns, on soft targets and on the greedy token alone: held-out
+    """Each layout learns, on soft targets and on the greedy token alone, and under
+    bfloat16 autocast (what train-drafter uses where bfloat16 is native): held-out
     loss falls and every draft agrees with the target more often than before."""
     train, held_out, d2t = data
     if loss == "ce":
@@ -87,7 +89,7 @@ def test_tiny_training_learns_on_held_out_code(method: str, loss: str,
     head = fresh_head(d2t)
     before_loss, before_acc = evaluate(head, held_out, 2, method)
     config = TrainConfig(updates=60, batch_size=8, lr=3e-3, depth=2, seed=0,
-                         checkpoint_every=30, method=method)
+                         checkpoint_every=30, method=method, autocast_bf16=bf16)
     losses = train_head(head, train, config, checkpoint=tmp_path / "ckpt.pt", progress=False)
     after_loss, after_acc = evaluate(head, held_out, 2, method)
     assert len(losses) == 60 and after_loss < 0.8 * before_loss
