@@ -15,65 +15,23 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.errors import (
+    EngineDeadError,
+    RequestFailedError,
+)
 from engine.output import LatencySample, OutputProcessor, RequestDelta
+from engine.serving import queued_deltas
 from engine.tokenizer import Tokenizer
 from runner.models.llama import LlamaForCausalLM
 from scheduler import Request, SamplingParams
 
 logger = logging.getLogger("specbudget.engine")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped after a fault; no request can be served."""
-
-
-class RequestFailedError(RuntimeError):
-    """A step failed and the engine traced the fault to this request (engine/core.py);
-    the engine itself goes on serving."""
-
-
-class EngineShutdownError(RuntimeError):
-    """The server is shutting down and stopped waiting for this request."""
-
-
-class ReplicaFailedError(RuntimeError):
-    """The data-parallel replica serving this request died after it streamed tokens
-    (engine/data_parallel.py); the other replicas go on serving."""
-
-
-class ServingEngine(Protocol):
-    """What the server needs of an engine: `AsyncEngine` (one engine in this process)
-    or `DataParallelEngine` (replicas on Ray)."""
-
-    config: EngineConfig
-    tokenizer: Tokenizer
-
-    @property
-    def is_alive(self) -> bool: ...
-
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams, priority: int = 0,
-                 buffered: bool = False) -> AsyncIterator[RequestDelta]:
-        """`buffered`: the caller shows nothing before the request ends (a non-streamed
-        response), so an engine that can lose a request midway (a replica) may start
-        it again elsewhere instead of failing it."""
-
-    def abort(self, request_id: str) -> None: ...
-
-    def fail_all(self, error: BaseException) -> int: ...
-
-    def health(self) -> tuple[bool, dict[str, Any]]: ...
-
-    def export_metrics(self, registry: CollectorRegistry,
-                       model_name: str) -> Callable[[], None]: ...
-
-    def shutdown(self) -> None: ...
 
 
 @dataclass
@@ -122,17 +80,9 @@ class AsyncEngine:
     def export_metrics(self, registry: CollectorRegistry,
                        model_name: str) -> Callable[[], None]:
         """Export the engine's `specbudget:*` metrics on `registry`; returns the undo."""
-        from engine.metrics import EngineMetrics
+        from engine.metrics import wire_step_metrics
 
-        metrics = EngineMetrics(registry, model_name)
-        self.on_step.append(metrics.on_step)
-
-        def unwire() -> None:
-            if metrics.on_step in self.on_step:
-                self.on_step.remove(metrics.on_step)
-            metrics.unregister()
-
-        return unwire
+        return wire_step_metrics(self.on_step, registry, model_name)
 
     def shutdown(self) -> None:
         with self._wake:
@@ -154,17 +104,8 @@ class AsyncEngine:
             self._streams[request_id] = stream
             self._adds.append((request, params))
             self._wake.notify()
-        finished = False
-        try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
+        async for delta in queued_deltas(stream.queue, lambda: self.abort(request_id)):
+            yield delta
 
     def fail_all(self, error: BaseException) -> int:
         """End every request in flight with `error` and abort it in the engine (a

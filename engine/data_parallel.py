@@ -32,8 +32,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
-from engine.async_engine import EngineDeadError, EngineShutdownError, ReplicaFailedError
 from engine.config import EngineConfig
+from engine.errors import EngineDeadError, EngineShutdownError, ReplicaFailedError
 from engine.output import RequestDelta
 from engine.replica import EngineReplica
 from engine.routing import ReplicaLoad, ReplicaState, pick_replica

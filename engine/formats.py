@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import json
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -44,6 +45,11 @@ class ChoiceState:
     def restart_offsets(self) -> None:
         self.text_offset = 0
         self.utf8.reset()
+
+
+def sse(data: Any) -> str:
+    """One server-sent event of a JSON body (compact, ASCII-escaped)."""
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
 # ---- responses --------------------------------------------------------------------
@@ -158,6 +164,7 @@ class Format:
         self.job = job
         self.num_logprobs = num_logprobs  # None: no logprobs asked
         self.model = model_name
+        self._templates: dict[tuple[int, str | None], tuple[str, str]] = {}
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -173,6 +180,27 @@ class Format:
 
     def start_chunks(self) -> list[dict[str, Any]]:
         return []
+
+    def sse_chunk(self, index: int, delta: RequestDelta, state: ChoiceState) -> str:
+        """The SSE event of one delta: `sse(self.chunk(...))`, except that every chunk
+        of a choice carries the `created` of its first (as OpenAI's chunks share one).
+        Without logprobs, only the text changes between a choice's chunks: the event
+        is a template made once per (choice, finish reason) with the text spliced in,
+        one string encode per chunk instead of a model built, dumped and encoded."""
+        if self.num_logprobs is not None:
+            return sse(self.chunk(index, delta, state))
+        reason = delta.finish_reason if delta.finished else None
+        parts = self._templates.get((index, reason))
+        if parts is None:
+            parts = self._templates[(index, reason)] = self._template(index, reason, state)
+        return parts[0] + json.dumps(delta.delta_text) + parts[1]
+
+    def _template(self, index: int, reason: str | None, state: ChoiceState
+                  ) -> tuple[str, str]:
+        marker = "\x00text\x00"
+        probe = RequestDelta(self.job.request_id, [], marker, reason is not None, reason, 0, 0)
+        head, tail = sse(self.chunk(index, probe, state)).split(json.dumps(marker))
+        return head, tail
 
     def chunk(self, index: int, delta: RequestDelta, state: ChoiceState) -> dict[str, Any]:
         raise NotImplementedError

@@ -16,9 +16,10 @@ from typing import Any
 
 import uvicorn
 
-from engine.async_engine import EngineShutdownError, ServingEngine
 from engine.connection_limits import ConnectionLimits
+from engine.errors import EngineShutdownError
 from engine.http_protocol import guarded_protocol
+from engine.serving import ServingEngine
 
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds; uvicorn's and vLLM's order of magnitude
 

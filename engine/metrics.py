@@ -14,7 +14,7 @@ the last values seen and adds only the difference, so nothing is counted twice.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence, Sized
+from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -263,3 +263,18 @@ class EngineMetrics:
             if name in pass_rows:
                 self.budget_pass_rows.labels(self.model_name, name).observe(rows)
             self.budget_pass_utilization.labels(self.model_name, name).set(rows / budget)
+
+
+def wire_step_metrics(hooks: list[Any], registry: CollectorRegistry,
+                      model_name: str) -> Callable[[], None]:
+    """`EngineMetrics` on `registry`, its `on_step` added to an engine's step hooks;
+    returns the undo (unhooked and unregistered)."""
+    metrics = EngineMetrics(registry, model_name)
+    hooks.append(metrics.on_step)
+
+    def unwire() -> None:
+        if metrics.on_step in hooks:
+            hooks.remove(metrics.on_step)
+        metrics.unregister()
+
+    return unwire

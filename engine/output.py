@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 from scheduler import EngineCoreOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.ipc import TokenUpdate
 
 Logprobs = tuple[list[int], list[float]]  # sampled token first, then the top n
 
@@ -70,7 +75,7 @@ class OutputProcessor:
         return RequestDelta(request_id, [], tracked.detok.take(final=True), True, "abort",
                             tracked.num_prompt_tokens, len(tracked.detok.token_ids))
 
-    def process(self, updates: list[EngineCoreOutput]
+    def process(self, updates: Sequence[EngineCoreOutput | TokenUpdate]
                 ) -> tuple[list[RequestDelta], list[str], dict[str, LatencySample]]:
         """Deltas, ids stopped by a stop string (to abort), latency samples."""
         deltas, to_abort, latency = [], [], {}

@@ -15,7 +15,6 @@ Engine faults: requests in flight get 500 (or, streamed, an error event then
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -29,14 +28,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from engine import protocol as P
-from engine.async_engine import (
+from engine.connection_limits import ConnectionLimits
+from engine.errors import (
     EngineDeadError,
+    EngineProcessDiedError,
     EngineShutdownError,
     ReplicaFailedError,
     RequestFailedError,
-    ServingEngine,
 )
-from engine.connection_limits import ConnectionLimits
 from engine.formats import (
     ChatFormat,
     ChoiceState,
@@ -46,9 +45,11 @@ from engine.formats import (
     ModelCard,
     ModelList,
     apply_delta,
+    sse,
 )
 from engine.json_body import DEFAULT_MAX_BODY_BYTES
 from engine.output import RequestDelta
+from engine.serving import ServingEngine
 from engine.streams import Choices, ClientGone, EventStream, until_disconnected
 from scheduler import SamplingParams
 
@@ -59,10 +60,6 @@ def _too_large(size: int, limit: int) -> P.APIError:
     return P.APIError(f"Request body of {size} bytes or more exceeds the server's limit of "
                       f"{limit} bytes (--max-request-body-bytes)", status=413,
                       code="request_too_large")
-
-
-def _sse(data: Any) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
 def _engine_error(err: Exception) -> P.APIError:
@@ -76,6 +73,10 @@ def _engine_error(err: Exception) -> P.APIError:
     if isinstance(err, ReplicaFailedError):
         return P.APIError(f"The engine replica serving this request failed: {err}",
                           status=500, code="replica_failed", type="server_error")
+    if isinstance(err, EngineProcessDiedError):  # a new one is being started
+        return P.APIError(f"The engine process died: {err}. It is being restarted; "
+                          f"retry later", status=503, code="engine_unavailable",
+                          type="server_error")
     if isinstance(err, EngineDeadError):
         return P.APIError(f"The engine failed and cannot serve requests: {err}", status=500,
                           code="engine_dead", type="server_error")
@@ -215,9 +216,15 @@ class _OpenAIServer:
     async def serve(self, request: Request,
                     make_job: Callable[[bytes], tuple[Job, Format]]) -> Response:
         if not self.engine.is_alive:
+            _, details = self.engine.health()
+            why = details.get("error", "it stopped after a fault")
+            state = details.get("engine_state")
+            restarting = state == "restarting"
             return _error_response(P.APIError(
-                "The engine is not running (it stopped after a fault)", status=503,
-                code="engine_dead", type="server_error"))
+                f"The engine is not running ({why})" + ("; it is restarting, retry later"
+                                                        if restarting else ""), status=503,
+                code="engine_unavailable" if restarting else "engine_dead",
+                type="server_error"))
         try:
             raw = await self.read_body(request)
         except ClientGone:  # common and harmless: one quiet line, no traceback
@@ -259,18 +266,18 @@ class _OpenAIServer:
         states = [ChoiceState() for _ in job.params]
         try:
             for chunk in fmt.start_chunks():
-                yield _sse(chunk)
+                yield sse(chunk)
             while item is not None:
                 index, delta = item
                 apply_delta(states[index], delta)
                 if delta.delta_text or delta.finished or delta.logprobs:
-                    yield _sse(fmt.chunk(index, delta, states[index]))
+                    yield fmt.sse_chunk(index, delta, states[index])
                 item = await choices.next()
             if job.include_usage:
-                yield _sse(fmt.usage_chunk(fmt.usage(states)))
+                yield sse(fmt.usage_chunk(fmt.usage(states)))
         except Exception as err:
             logger.warning("stream %s failed: %r", job.request_id, err)
-            yield _sse(_engine_error(err).body())
+            yield sse(_engine_error(err).body())
         yield "data: [DONE]\n\n"
 
 
@@ -333,8 +340,10 @@ def build_app(engine: ServingEngine, served_model_name: str,
         serving, details = engine.health()
         if serving:
             return JSONResponse(details) if details else Response(status_code=200)
-        body = P.APIError("The engine is not running", status=503, code="engine_dead",
-                          type="server_error").body()
+        details = dict(details)
+        why = details.pop("error", None)  # in the error object's message, not over it
+        body = P.APIError("The engine is not running" + (f": {why}" if why else ""),
+                          status=503, code="engine_dead", type="server_error").body()
         return JSONResponse({**body, **details}, status_code=503)
 
     @app.get("/metrics")

@@ -15,9 +15,9 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.async_engine import ServingEngine
 from engine.formats import Job
 from engine.output import RequestDelta
+from engine.serving import ServingEngine
 
 T = TypeVar("T")
 

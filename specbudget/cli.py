@@ -25,8 +25,8 @@ from runner.model_prep import DEFAULT_MODEL_NAME
 from spec_decode import DRAFT_POLICIES, METHODS, SpeculativeConfig
 
 if TYPE_CHECKING:
-    from engine.async_engine import ServingEngine
     from engine.config import EngineConfig
+    from engine.serving import ServingEngine
 
 DEMO_SPEC = '{"method": "ngram", "num_speculative_tokens": 3}'
 # Chat prompts whose answers repeat their input, so prompt lookup finds drafts.
@@ -174,7 +174,13 @@ def _add_serve_parser(sub: Any) -> None:
                        choices=("debug", "info", "warning", "error"))
     serve.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                        help="N engine replicas on Ray behind this server (needs "
-                       "pip install -e '.[ray]'; default 1: one engine in this process)")
+                       "pip install -e '.[ray]'; default 1: one engine in a child process)")
+    serve.add_argument("--engine-in-process", action="store_true",
+                       help="run the engine on a thread of the API process instead of in "
+                       "its own process (the old layout; for comparison)")
+    serve.add_argument("--exit-on-engine-failure", action="store_true",
+                       help="when the engine process dies, exit non-zero (for a supervisor "
+                       "to restart) instead of restarting it")
     serve.add_argument("--ray-address", default=None, metavar="ADDR",
                        help="join this Ray cluster (ray start --head ...) instead of "
                        "starting a local one; only with --data-parallel-size > 1")
@@ -268,9 +274,18 @@ def _serving_engine(args: argparse.Namespace, config: EngineConfig,
     if args.data_parallel_size == 1:
         if args.ray_address:
             raise ValueError("--ray-address needs --data-parallel-size > 1")
-        from engine.async_engine import AsyncEngine
+        if args.engine_in_process:
+            from engine.async_engine import AsyncEngine
 
-        return AsyncEngine(config, log_interval_s=args.log_interval)
+            return AsyncEngine(config, log_interval_s=args.log_interval)
+        from engine.process_engine import ProcessEngine
+
+        return ProcessEngine(config, log_interval_s=args.log_interval,
+                             restart=not args.exit_on_engine_failure,
+                             log_level=getattr(logging, args.log_level.upper()))
+    if args.engine_in_process or args.exit_on_engine_failure:
+        raise ValueError("--engine-in-process and --exit-on-engine-failure are for one "
+                         "engine (--data-parallel-size 1); Ray restarts replicas itself")
     from engine.data_parallel import DataParallelEngine
 
     engine = DataParallelEngine(config, args.data_parallel_size, args.ray_address, name)
@@ -321,9 +336,23 @@ def serve(args: argparse.Namespace) -> int:
                         limits=limits)
         server_config = uvicorn_config(app, host=args.host, port=args.port,
                                        log_level=args.log_level)
-        DrainingServer(server_config, engine, args.shutdown_timeout).run()
+        server = DrainingServer(server_config, engine, args.shutdown_timeout)
+        died: list[str] = []
+
+        def engine_died(reason: str) -> None:  # ProcessEngine, --exit-on-engine-failure
+            died.append(reason)
+            server.should_exit = True
+
+        for_death = getattr(engine, "on_death", None)
+        if for_death is not None:
+            for_death.append(engine_died)
+        server.run()
     finally:
         engine.shutdown()
+    if died:
+        print(f"specbudget serve: the engine process died ({died[0]}); exiting as "
+              f"--exit-on-engine-failure asks", file=sys.stderr)
+        return 1
     return 0
 
 

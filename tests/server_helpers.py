@@ -13,12 +13,15 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.connection_limits import ConnectionLimits
 from engine.local_server import ServerThread, serve_in_thread
+from engine.process_engine import ProcessEngine
+from engine.serving import ServingEngine
 from runner.model_loader import load_model
 from runner.model_prep import resolve_model
 from runner.models.llama import LlamaForCausalLM
 from spec_decode import SpeculativeConfig
 
-__all__ = ["MODEL_NAME", "SPEC", "ServerThread", "default_model", "make_engine", "serve"]
+__all__ = ["MODEL_NAME", "SPEC", "ServerThread", "default_model", "make_engine",
+           "make_process_engine", "serve"]
 
 MODEL_NAME = "smollm2-135m"
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
@@ -37,8 +40,16 @@ def make_engine(**config: Any) -> AsyncEngine:
     return AsyncEngine(EngineConfig(**config), model=default_model())
 
 
+def make_process_engine(**config: Any) -> ProcessEngine:
+    """A ProcessEngine (the engine core in its own process, which loads the default
+    model itself) with make_engine's defaults, in float32 as the shared model is."""
+    config.setdefault("speculative_config", SpeculativeConfig.from_dict(SPEC))
+    config.setdefault("dtype", "float32")
+    return ProcessEngine(EngineConfig(**config))
+
+
 @contextmanager
-def serve(engine: AsyncEngine, name: str = MODEL_NAME,
+def serve(engine: ServingEngine, name: str = MODEL_NAME,
           limits: ConnectionLimits | None = None) -> Iterator[ServerThread]:
     """`build_app(engine, name)` on a free port until the block ends; the engine stays up."""
     with serve_in_thread(engine, name, limits=limits) as thread:

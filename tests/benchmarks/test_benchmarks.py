@@ -201,6 +201,38 @@ def test_serve_dp_quick_runs_the_servers_in_their_own_processes(tmp_path: Path) 
     assert (tmp_path / "d.png").exists()
 
 
+def test_serve_overhead_summary_takes_medians_per_concurrency() -> None:
+    from benchmarks.serve_overhead import summary
+
+    def run(tput: float, ttft: float = 10.0) -> dict:
+        pct = {"p50": ttft, "p99": 2 * ttft}
+        return {"output_throughput": tput, "ttft_ms": pct, "itl_ms": pct, "failed": 0}
+
+    offline = [{"output_throughput": t} for t in (50, 400, 60, 380, 55, 390)]  # 3 repeats
+    served = {"in-process": [[run(20), run(200)], [run(30), run(190)], [run(25), run(210)]],
+              "process": [[run(55, 5.0), run(380)], [run(60), run(360)],
+                          [run(50), run(370)]]}
+    rows = summary(offline, served, [1, 16])
+    assert [r["offline_tok_s"] for r in rows] == [55, 390]
+    assert rows[0]["in-process"]["tok_s"] == 25 and rows[1]["process"]["tok_s"] == 370
+    assert rows[0]["process"]["served_over_offline"] == round(55 / 55, 3)
+    assert rows[1]["in-process"]["served_over_offline"] == round(200 / 390, 3)
+    assert rows[0]["process"]["ttft_p50_ms"] == 10.0  # the median of 5, 10, 10
+
+
+@pytest.mark.model
+def test_serve_overhead_quick_serves_both_layouts(tmp_path: Path) -> None:
+    from benchmarks import serve_overhead
+
+    report = serve_overhead.main(["--quick", "--concurrency", "2", "--max-tokens", "4",
+                                  "--out", str(tmp_path / "o.json")])
+    (row,) = report["summary"]
+    assert row["offline_tok_s"] > 0
+    for layout in ("in-process", "process"):
+        assert row[layout]["tok_s"] > 0 and row[layout]["failed"] == 0
+    assert (tmp_path / "o.png").exists()
+
+
 @pytest.mark.model
 def test_cpu_forward_quick(tmp_path: Path) -> None:
     """Rows per pass, quality against float32, the engine's figures and the llama.cpp

@@ -136,3 +136,122 @@ def test_sigterm_answers_a_half_sent_upload_and_exits_within_the_timeout() -> No
     assert "Traceback" not in log and "CancelledError" not in log, log
     # The old path: uvicorn's cutoff at int(2) + 5 = 7 s; now the timeout + 1 s grace.
     assert elapsed < timeout + 3.5
+
+
+def health(base: str) -> httpx.Response:
+    return httpx.get(base + "/health", timeout=5)
+
+
+def is_running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie, dead but not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while is_running(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def engine_pid(base: str) -> int:
+    pid = health(base).json()["engine_pid"]
+    assert isinstance(pid, int) and pid > 0
+    return pid
+
+
+def test_the_engine_runs_in_a_child_process_of_the_server() -> None:
+    with serve_process() as (proc, base):
+        pid = engine_pid(base)
+        assert pid != proc.pid and is_running(pid)
+        with open(f"/proc/{pid}/stat") as stat:
+            assert int(stat.read().rsplit(")", 1)[1].split()[1]) == proc.pid  # its parent
+        assert httpx.post(base + C, json={**LONG, "max_tokens": 4}, timeout=60).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        assert wait_gone(pid, 5), "the engine process outlived the server"
+
+
+def test_an_engine_killed_under_32_streams_ends_them_all_and_comes_back() -> None:
+    """SIGKILL the engine process while 32 clients stream: every stream ends within 2 s
+    with an error event then [DONE], /health says why with 503, a new engine process
+    serves within the start time /health reports, and the old one is gone."""
+    with serve_process() as (proc, base):
+        old = engine_pid(base)
+        ended: dict[int, tuple[float, int, list[str]]] = {}
+        streaming: set[int] = set()
+
+        def stream(i: int) -> None:
+            with httpx.stream("POST", base + C, json={**LONG, "stream": True},
+                              timeout=60) as response:
+                streaming.add(i)  # the headers came with the first token
+                lines = [line for line in response.iter_lines() if line]
+            ended[i] = (time.monotonic(), response.status_code, lines)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(32)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while len(streaming) < 16:  # 400 tokens each take far longer than this
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        killed = time.monotonic()
+        subprocess.run(["kill", "-KILL", str(old)], check=True)
+        for thread in threads:
+            thread.join(30)
+        assert sorted(ended) == list(range(32))
+        streamed = 0
+        for at, status, lines in ended.values():
+            assert at - killed < 2.0
+            if status == 200:  # it had streamed: an error event, then [DONE]
+                streamed += 1
+                assert lines[-1] == "data: [DONE]"
+                error = json.loads(lines[-2].removeprefix("data: "))["error"]
+            else:  # still queued, nothing sent yet: the whole answer is the error
+                assert status == 503
+                error = json.loads(lines[0])["error"]
+            assert error["code"] == "engine_unavailable" and "SIGKILL" in error["message"]
+        assert streamed >= 16
+        down = health(base)
+        assert down.status_code == 503 and "SIGKILL" in down.json()["error"]["message"]
+        assert down.json()["engine_restarts"] == 1 and not is_running(old)
+        refused = httpx.post(base + C, json={**LONG, "max_tokens": 4}, timeout=10)
+        if refused.status_code != 200:  # still restarting: a JSON 503 at once
+            assert refused.status_code == 503 and refused.json()["error"]["code"]
+        deadline = time.monotonic() + 120
+        while health(base).status_code != 200:
+            assert time.monotonic() < deadline, "the engine did not come back"
+            time.sleep(0.1)
+        back = health(base).json()
+        assert back["engine_pid"] != old and back["engine_state"] == "ready"
+        # It came back within the start time it reports, plus the polling.
+        assert time.monotonic() - killed < back["engine_start_s"] + 2.0
+        out = httpx.post(base + C, json={**LONG, "max_tokens": 4}, timeout=60)
+        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 4
+        assert proc.poll() is None
+
+
+def test_exit_on_engine_failure_exits_non_zero_and_leaves_nothing() -> None:
+    with serve_process("--exit-on-engine-failure") as (proc, base):
+        pid = engine_pid(base)
+        subprocess.run(["kill", "-KILL", str(pid)], check=True)
+        assert proc.wait(30) == 1
+        log = proc.stdout.read() if proc.stdout else ""
+    assert "the engine process died" in log and "SIGKILL" in log, log
+    assert not is_running(pid)
+
+
+def test_a_killed_server_takes_its_engine_process_with_it() -> None:
+    """No orphan even when the server gets no chance to clean up (SIGKILL)."""
+    with serve_process() as (proc, base):
+        pid = engine_pid(base)
+        proc.kill()
+        proc.wait(30)
+        assert wait_gone(pid, 5), "the engine process outlived a killed server"

@@ -12,8 +12,14 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from engine.async_engine import AsyncEngine
-from tests.server_helpers import MODEL_NAME, ServerThread, make_engine, serve
+from engine.serving import ServingEngine
+from tests.server_helpers import (
+    MODEL_NAME,
+    ServerThread,
+    make_engine,
+    make_process_engine,
+    serve,
+)
 
 pytestmark = pytest.mark.model  # loads the real default model
 
@@ -31,15 +37,17 @@ MAX_TOKENS = 8
 CHAT = [{"role": "user", "content": "Name a color."}]
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[AsyncEngine]:
-    eng = make_engine()
+@pytest.fixture(scope="module", params=["thread", "process"])
+def engine(request: pytest.FixtureRequest) -> Iterator[ServingEngine]:
+    """Both layouts: the engine on a thread of the server's process, and in its own
+    process (what `specbudget serve` runs)."""
+    eng = make_engine() if request.param == "thread" else make_process_engine()
     yield eng
     eng.shutdown()
 
 
 @pytest.fixture(scope="module")
-def server(engine: AsyncEngine) -> Iterator[ServerThread]:
+def server(engine: ServingEngine) -> Iterator[ServerThread]:
     with serve(engine) as thread:
         yield thread
 
@@ -75,7 +83,7 @@ def streamed_text(chunks: Any, chat_api: bool) -> tuple[dict[int, str], dict[int
     return texts, reasons
 
 
-def test_completion(client: OpenAI, engine: AsyncEngine) -> None:
+def test_completion(client: OpenAI, engine: ServingEngine) -> None:
     out = complete(client, PROMPTS[0])
     assert out.object == "text_completion" and out.model == MODEL_NAME
     assert out.id.startswith("cmpl-")
@@ -86,7 +94,7 @@ def test_completion(client: OpenAI, engine: AsyncEngine) -> None:
     assert out.usage.total_tokens == out.usage.prompt_tokens + MAX_TOKENS
 
 
-def test_prompt_forms_agree(client: OpenAI, engine: AsyncEngine) -> None:
+def test_prompt_forms_agree(client: OpenAI, engine: ServingEngine) -> None:
     """A prompt as text, [text], token ids or [token ids] is the same request."""
     ids = engine.tokenizer.encode(PROMPTS[0])
     texts = {complete(client, form).choices[0].text
@@ -206,22 +214,48 @@ async def _load_rounds(base_url: str, rounds: int, clients: int) -> list[list[st
 
 
 def test_concurrent_streams_match_solo(client: OpenAI, server: ServerThread,
-                                       engine: AsyncEngine) -> None:
+                                       engine: ServingEngine) -> None:
     """32 concurrent streaming clients, three rounds: every greedy output equals the
     same prompt served alone, and the KV cache is empty afterwards."""
     solo = [complete(client, p).choices[0].text for p in PROMPTS]
     assert all(solo)
     running: list[int] = []
-    engine.on_step.append(lambda core, *_: running.append(len(core.scheduler.running)))
+    hooks = engine.on_step
+    hooks.append(lambda core, *_: running.append(len(core.scheduler.running)))
     try:
         rounds = asyncio.run(_load_rounds(server.base_url, rounds=3, clients=32))
     finally:
-        engine.on_step.pop()
+        hooks.pop()
     assert max(running) >= 16  # the clients really shared steps
     for texts in rounds:
         assert texts == [solo[i % len(PROMPTS)] for i in range(32)]
-    deadline = time.monotonic() + 5
-    while engine.core.scheduler.kv_cache_usage() != 0.0 and time.monotonic() < deadline:
+    assert wait_idle(server.base_url, engine)
+
+
+def kv_usage(base_url: str) -> float:
+    """The KV cache usage the engine last reported, as an operator reads it."""
+    text = httpx.get(base_url + "/metrics").text
+    (line,) = [x for x in text.splitlines() if x.startswith("specbudget:kv_cache_usage_perc")]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def wait_idle(base_url: str, engine: ServingEngine, timeout: float = 5.0) -> bool:
+    """Whether the engine reports no request and no KV block in use within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if kv_usage(base_url) == 0.0 and engine.load() == (0, 0):
+            return True
         time.sleep(0.05)
-    assert engine.core.scheduler.kv_cache_usage() == 0.0
-    assert not engine.core.scheduler.has_unfinished_requests()
+    return False
+
+
+def test_a_stream_left_early_is_aborted_and_frees_its_blocks(server: ServerThread,
+                                                              engine: ServingEngine) -> None:
+    with httpx.stream("POST", server.base_url + "/v1/completions", timeout=60, json={
+            "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True,
+            "model": MODEL_NAME}) as response:
+        lines = response.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        assert kv_usage(server.base_url) > 0.0 or engine.load() != (0, 0)
+    assert wait_idle(server.base_url, engine)

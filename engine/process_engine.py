@@ -1,0 +1,387 @@
+"""ProcessEngine: the engine core in its own process, behind the server's interface.
+
+The API process (this one) keeps HTTP, validation, tokenisation, detokenisation,
+stop strings and streaming; the child (engine/core_process.py, multiprocessing
+spawn) runs the scheduler and the runner and never waits on Python code of the
+front end. They talk over two pipes, one batched message per round each way
+(engine/ipc.py): requests added and aborted in one turn of the event loop go in
+one message; each step comes back as one message with every request's new tokens.
+
+A reader thread here receives the steps, detokenises them (`OutputProcessor`), asks
+the engine to stop requests a stop string ended, and hands each event loop its
+deltas in one call per step.
+
+When the engine process dies (SIGKILL, out of memory, a fault it cannot recover
+from), the reader sees its pipe close: every open request ends at once with
+`EngineProcessDiedError` (503; a stream gets an error event, then `[DONE]`),
+`/health` answers 503 with the reason, and a new engine process is started unless
+`restart=False`, in which case the `on_death` callbacks run (the CLI exits non-zero,
+for supervisors). A process that dies before it is ready is not restarted again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from engine.config import EngineConfig
+from engine.core_process import engine_main
+from engine.errors import EngineDeadError, EngineProcessDiedError, RequestFailedError
+from engine.ipc import Codec, EngineInputs, Failed, NewRequest, Ready, Snapshot, StepOutputs
+from engine.output import LatencySample, OutputProcessor, RequestDelta
+from engine.serving import queued_deltas
+from engine.tokenizer import Tokenizer
+from runner.model_prep import resolve_model
+from scheduler import SamplingParams
+from scheduler.stats import SchedulerStats
+
+logger = logging.getLogger("specbudget.engine")
+
+
+class EngineState:
+    STARTING = "starting"
+    READY = "ready"
+    RESTARTING = "restarting"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestDelta | BaseException]
+
+
+@dataclass
+class _Child:
+    """One engine process and the API process's ends of its pipes."""
+
+    process: BaseProcess
+    to_engine: Connection
+    from_engine: Connection
+    started: float
+    ready: threading.Event
+    failure: str | None = None  # what its `Failed` message said
+    refusal: str | None = None  # a ValueError at start: the settings cannot run
+
+
+class _SnapshotView:
+    """The engine's last `Snapshot` as the metrics hook reads an EngineCore."""
+
+    def __init__(self, config: EngineConfig, snapshot: Snapshot) -> None:
+        self.config = config
+        self.scheduler = self
+        self.runner = self
+        self.stats: SchedulerStats = snapshot.stats
+        self.running = range(snapshot.running)
+        self.waiting = range(snapshot.waiting)
+        self.last_pass_rows = snapshot.pass_rows
+        self._kv_usage = snapshot.kv_usage
+
+    def kv_cache_usage(self) -> float:
+        return self._kv_usage
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+StepHook = Callable[[Any, list[RequestDelta], dict[str, LatencySample]], None]
+
+
+class ProcessEngine:
+    """`ServingEngine` over an engine-core child process; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, log_interval_s: float = 10.0,
+                 restart: bool = True, start_timeout_s: float = 600.0,
+                 log_level: int = logging.INFO) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer.from_dir(resolve_model(config.model))
+        self.processor = OutputProcessor(self.tokenizer)
+        self.restart = restart
+        self.start_timeout_s = start_timeout_s
+        self.log_interval_s = log_interval_s
+        self.log_level = log_level
+        self.on_step: list[StepHook] = []
+        self.on_death: list[Callable[[str], None]] = []
+        self.state = EngineState.STARTING
+        self.error: str | None = None
+        self.pid: int | None = None
+        self.num_restarts = 0
+        self.last_start_s: float | None = None  # spawn to ready, last (re)start
+        self._codec = Codec()
+        self._ctx = multiprocessing.get_context("spawn")
+        self._lock = threading.Lock()  # streams, processor, pending inputs
+        self._send_lock = threading.Lock()
+        self._hook_lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._adds: list[NewRequest] = []
+        self._aborts: list[str] = []
+        self._flush_scheduled = False
+        self._closing = False
+        self._snapshot = Snapshot(0, 0, 0.0, {}, SchedulerStats())
+        self._last_log = time.monotonic()
+        self._child = self._spawn()
+        self._wait_first_start(self._child)
+
+    # ---- the child's lifetime ----------------------------------------------------
+
+    def _spawn(self) -> _Child:
+        from_engine, child_out = self._ctx.Pipe(duplex=False)
+        child_in, to_engine = self._ctx.Pipe(duplex=False)
+        process = self._ctx.Process(target=engine_main, name="specbudget-engine-core",
+                                    args=(self.config, child_in, child_out, self.log_level),
+                                    daemon=True)
+        process.start()
+        # Only the child may hold its ends: its death must close our reading end.
+        child_out.close()
+        child_in.close()
+        child = _Child(process, to_engine, from_engine, time.monotonic(), threading.Event())
+        threading.Thread(target=self._read, args=(child,), daemon=True,
+                         name="specbudget-engine-reader").start()
+        return child
+
+    def _wait_first_start(self, child: _Child) -> None:
+        if not child.ready.wait(self.start_timeout_s):
+            self.shutdown()
+            raise TimeoutError(f"the engine process did not start within "
+                               f"{self.start_timeout_s:g} s")
+        if self.state != EngineState.READY:
+            self.shutdown()
+            if child.refusal is not None:
+                raise ValueError(child.refusal)
+            raise RuntimeError(f"the engine process failed to start: {self.error}")
+
+    def _read(self, child: _Child) -> None:
+        """The reader thread of one child: until its pipe closes."""
+        try:
+            while True:
+                message = self._codec.decode_outputs(child.from_engine.recv_bytes())
+                if isinstance(message, StepOutputs):
+                    self._on_step(message)
+                elif isinstance(message, Ready):
+                    self._on_ready(child, message)
+                elif isinstance(message, Failed):
+                    child.failure = message.error
+                    if message.kind == "ValueError":
+                        child.refusal = message.message
+        except (EOFError, OSError):
+            pass
+        self._on_exit(child)
+
+    def _on_ready(self, child: _Child, message: Ready) -> None:
+        self.pid = message.pid
+        self.last_start_s = time.monotonic() - child.started
+        self.error = None
+        self.state = EngineState.READY
+        logger.info("engine process %d ready in %.1f s (%s)", message.pid,
+                    self.last_start_s, message.description)
+        child.ready.set()
+
+    def _on_exit(self, child: _Child) -> None:
+        child.process.join(timeout=1.0)  # its pipe closed: it is gone or going
+        child.to_engine.close()
+        if self._closing:
+            self.state = EngineState.STOPPED
+            child.ready.set()
+            return
+        was_ready = child.ready.is_set()
+        reason = (f"engine process {child.process.pid} {describe_exit(child.process.exitcode)}"
+                  + (f": {child.failure}" if child.failure else ""))
+        logger.error("%s; failing every request in flight", reason)
+        self.error = reason
+        self.state = EngineState.DEAD
+        self._fail_streams(EngineProcessDiedError(reason))
+        if was_ready and self.restart:
+            self.num_restarts += 1
+            self.state = EngineState.RESTARTING
+            logger.warning("restarting the engine process (restart %d)", self.num_restarts)
+            self._child = self._spawn()
+            return
+        child.ready.set()  # a first start that failed: the constructor raises
+        if was_ready:
+            for callback in self.on_death:
+                callback(reason)
+
+    def _fail_streams(self, error: BaseException) -> int:
+        with self._lock:
+            streams, self._streams = self._streams, {}
+            for request_id in streams:
+                self.processor.drop(request_id)
+            self._adds.clear()
+        for stream in streams.values():
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+        return len(streams)
+
+    # ---- steps coming back ---------------------------------------------------------
+
+    def _on_step(self, message: StepOutputs) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
+        with self._lock:
+            deltas, stopped, latency = self.processor.process(message.outputs)
+            for delta in deltas:
+                stream = self._streams.get(delta.request_id)
+                if stream is None:
+                    continue
+                failed = delta.error is not None
+                item = RequestFailedError(delta.error) if failed else delta
+                batches.setdefault(stream.loop, []).append((stream, item))
+                if delta.finished:
+                    del self._streams[delta.request_id]
+            for request_id, why in message.refused:
+                self.processor.drop(request_id)
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    batches.setdefault(stream.loop, []).append((stream, ValueError(why)))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
+        if stopped:
+            self._send(EngineInputs(stops=stopped))
+        self._snapshot = message.snapshot
+        self._run_hooks(deltas, latency)
+        if time.monotonic() - self._last_log >= self.log_interval_s:
+            self._log_line()
+
+    def _run_hooks(self, deltas: list[RequestDelta],
+                   latency: dict[str, LatencySample]) -> None:
+        if self.on_step:
+            view = _SnapshotView(self.config, self._snapshot)
+            with self._hook_lock:  # the reader thread, and an abort on the event loop
+                for hook in self.on_step:
+                    hook(view, deltas, latency)
+
+    def _log_line(self) -> None:
+        self._last_log = time.monotonic()
+        snap = self._snapshot
+        rate = snap.stats.spec.acceptance_rate
+        accept = f", acceptance {rate:.2f}" if rate is not None else ""
+        logger.info("running %d, waiting %d, KV usage %.1f%%%s", snap.running, snap.waiting,
+                    100 * snap.kv_usage, accept)
+
+    # ---- requests going in ---------------------------------------------------------
+
+    def _send(self, message: EngineInputs) -> None:
+        data = self._codec.encode(message)
+        with self._send_lock:
+            try:
+                self._child.to_engine.send_bytes(data)
+            except OSError:  # the engine process is gone: the reader fails its requests
+                logger.debug("engine process gone; message dropped")
+
+    def _flush(self) -> None:
+        with self._lock:
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = self._aborts, []
+            self._flush_scheduled = False
+        if adds or aborts:
+            self._send(EngineInputs(adds=adds, aborts=aborts))
+
+    def _request_flush(self) -> None:
+        """Send what this turn of the event loop queued in one message, at its end
+        (outside an event loop: now)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._flush()
+            return
+        with self._lock:
+            if self._flush_scheduled:
+                return
+            self._flush_scheduled = True
+        loop.call_soon(self._flush)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams, priority: int = 0,
+                       buffered: bool = False) -> AsyncIterator[RequestDelta]:
+        """Stream one request's deltas; leaving early (a disconnect) aborts it."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if self.state != EngineState.READY:
+                raise (EngineProcessDiedError if self.error else EngineDeadError)(
+                    f"the engine is not serving ({self.state}): {self.error}")
+            self._streams[request_id] = stream
+            self.processor.add(request_id, len(prompt_token_ids), params)
+            self._adds.append(NewRequest(request_id, prompt_token_ids, params,
+                                         self.tokenizer.eos_token_id, priority))
+        self._request_flush()
+        async for delta in queued_deltas(stream.queue, lambda: self.abort(request_id)):
+            yield delta
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if self._streams.pop(request_id, None) is None:
+                return
+            delta = self.processor.abort(request_id)
+            self._aborts.append(request_id)
+        self._request_flush()
+        if delta is not None:  # metrics count aborts as finished requests, like vLLM
+            self._run_hooks([delta], {})
+
+    def fail_all(self, error: BaseException) -> int:
+        """End every request in flight with `error` and abort it in the engine."""
+        with self._lock:
+            ids = list(self._streams)
+        count = self._fail_streams(error)
+        self._send(EngineInputs(aborts=ids))
+        return count
+
+    # ---- what the server asks -------------------------------------------------------
+
+    @property
+    def is_alive(self) -> bool:
+        return self.state == EngineState.READY
+
+    def load(self) -> tuple[int, int]:
+        """(waiting, running) as of the engine's last step."""
+        return self._snapshot.waiting + len(self._adds), self._snapshot.running
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        details: dict[str, Any] = {"engine_state": self.state, "engine_pid": self.pid,
+                                   "engine_restarts": self.num_restarts,
+                                   "engine_start_s": (None if self.last_start_s is None
+                                                      else round(self.last_start_s, 2))}
+        if self.error is not None:
+            details["error"] = self.error
+        return self.is_alive, details
+
+    def export_metrics(self, registry: CollectorRegistry,
+                       model_name: str) -> Callable[[], None]:
+        """Export the engine's `specbudget:*` metrics on `registry`, fed from the engine
+        process's step messages; returns the undo."""
+        from engine.metrics import wire_step_metrics
+
+        return wire_step_metrics(self.on_step, registry, model_name)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the engine process to stop; kill it if it has not within `timeout`."""
+        self._closing = True
+        child = self._child
+        self._send(EngineInputs(shutdown=True))
+        child.process.join(timeout)
+        if child.process.is_alive():  # it ignores SIGTERM (engine/core_process.py)
+            child.process.kill()
+            child.process.join(2.0)
+        self.state = EngineState.STOPPED
+
+
+def _put_all(items: list[tuple[_Stream, Any]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
