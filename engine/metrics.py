@@ -79,6 +79,7 @@ class _SeenStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     chosen_k: list[int] = field(default_factory=list)
+    num_steps: int = 0
 
 
 class EngineMetrics:
@@ -224,8 +225,12 @@ class EngineMetrics:
                 self.tpot.observe(sample.tpot)
 
     def on_stats(self, stats: SchedulerStats) -> None:
-        """Add what the scheduler's cumulative counts gained since the last call."""
+        """Add what the scheduler's cumulative counts gained since the last call. Counts
+        that went back (a restarted engine process starts again from zero) count from
+        zero, as Prometheus counters do across a reset: the totals keep growing."""
         seen, spec = self._seen, stats.spec
+        if stats.num_steps < seen.num_steps:
+            seen = _SeenStats()
         self.num_preemptions.inc(stats.num_preemptions - seen.num_preemptions)
         self.spec_num_drafts.inc(spec.num_drafts - seen.num_drafts)
         self.spec_num_draft_tokens.inc(spec.num_draft_tokens - seen.num_draft_tokens)
@@ -238,7 +243,7 @@ class EngineMetrics:
         self._on_goodput(stats.goodput, seen.chosen_k)
         self._seen = _SeenStats(stats.num_preemptions, spec.num_drafts, spec.num_draft_tokens,
                                 spec.num_accepted_tokens, list(per_pos),
-                                list(stats.goodput.chosen_k))
+                                list(stats.goodput.chosen_k), stats.num_steps)
 
     def _on_goodput(self, goodput: GoodputStats, seen_k: list[int]) -> None:
         """The draft policy's choices and its step-time predictions."""

@@ -185,6 +185,10 @@ class ProcessEngine:
                         child.refusal = message.message
         except (EOFError, OSError):
             pass
+        except Exception:  # a fault on this side: the process is useless without us
+            logger.exception("failed handling the engine process's output; stopping it")
+            child.failure = "the API process failed handling its output"
+            child.process.kill()
         self._on_exit(child)
 
     def _on_ready(self, child: _Child, message: Ready) -> None:

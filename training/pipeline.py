@@ -94,6 +94,18 @@ def code_data(model: LlamaForCausalLM, windows: torch.Tensor, aux_ids: tuple[int
     return Windows.cat(parts)
 
 
+def digest(parts: list) -> str:
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def data_key(model: LlamaForCausalLM, args: argparse.Namespace, aux_ids: tuple[int, ...]
+             ) -> str:
+    """What the self-distilled data depends on, hashed (its cache file's name)."""
+    return digest(["v5", CHAT_SHARE, FOLLOW_SHARE, model.config.hidden_size,
+                   str(model.lm_head.weight.dtype), args.tokens, args.seed, args.max_prompts,
+                   WINDOW, list(aux_ids), str(args.model)])
+
+
 def self_distilled_data(llm: LLM, model: LlamaForCausalLM, args: argparse.Namespace,
                         aux_ids: tuple[int, ...], cache: Path) -> dict[str, tuple]:
     """(windows, aux, final, labels) per split, kept in `cache/<key>.pt`: the data
@@ -101,11 +113,7 @@ def self_distilled_data(llm: LLM, model: LlamaForCausalLM, args: argparse.Namesp
     every method share it, and a resumed run does not generate it again. Evaluation
     asks the held-out instructions (`instructions("eval")`, the benchmarks' held-out
     workload), first turns only."""
-    key = hashlib.sha256(json.dumps(["v5", CHAT_SHARE, FOLLOW_SHARE, model.config.hidden_size,
-                                     str(model.lm_head.weight.dtype), args.tokens,
-                                     args.seed, args.max_prompts, WINDOW, list(aux_ids),
-                                     str(args.model)]).encode()).hexdigest()[:16]
-    file = cache / f"{key}.pt"
+    file = cache / f"{data_key(model, args, aux_ids)}.pt"
     if file.exists():
         return dict(torch.load(file, weights_only=True))
     windows_total = max(2, args.tokens // WINDOW)
@@ -175,8 +183,13 @@ def run(args: argparse.Namespace) -> dict:
     train_config = TrainConfig(updates=args.updates, depth=args.num_speculative_tokens,
                                seed=args.seed, method=args.method, noise=args.noise,
                                autocast_bf16=model.lm_head.weight.dtype == torch.bfloat16)
+    # A checkpoint resumes only the run that wrote it: the same data, draft vocabulary,
+    # loss and optimisation settings (another run's head maps its draft ids through
+    # another vocabulary, and would serve garbage).
+    run_key = digest([data_key(model, args, config.aux_layer_ids), args.method,
+                      args.draft_vocab_size, args.loss, repr(train_config)])
     train_head(head, batch("train"), train_config, checkpoint=out / "checkpoint.pt",
-               progress=not args.no_progress)
+               progress=not args.no_progress, run_key=run_key)
     loss, accs = evaluate(head, batch("eval"), train_config.depth, args.method)
     metrics = {"method": args.method, "held_out_loss": round(loss, 4),
                "num_speculative_tokens": train_config.depth,

@@ -11,6 +11,7 @@ frequent labels; `d2t` maps back).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from runner.models.llama import LlamaForCausalLM, apply_rope
 from spec_decode.methods import TrainLayout
 from training.layouts import MASK_TOKEN_ID, step_targets, train_layout
 
+logger = logging.getLogger("specbudget.training")
 IGNORE = -100  # no label: padding, prompt text, a row outside its chain
 MISSING = -1  # the target's token lies outside the draft vocabulary: no loss, a miss
 EAGLE = train_layout("eagle")
@@ -260,19 +262,21 @@ def evaluate(head: Eagle3Head, data: Batch, depth: int, method: str = "eagle",
 
 def train_head(head: Eagle3Head, data: Batch, config: TrainConfig,
                checkpoint: Path | None = None, progress: bool = True,
-               stop_at: int | None = None) -> list[float]:
-    """AdamW over shuffled windows; resumes from `checkpoint` when it exists and
-    saves it every `checkpoint_every` updates. `stop_at` ends the run early at that
-    update (a time-boxed session; the schedule still follows `config.updates`).
-    Returns the loss of each update run."""
+               stop_at: int | None = None, run_key: str = "") -> list[float]:
+    """AdamW over shuffled windows; resumes from `checkpoint` when it exists and was
+    written under the same `run_key` (what the run's data and settings hash to; a
+    checkpoint of another run is ignored, with a warning), and saves it every
+    `checkpoint_every` updates. `stop_at` ends the run early at that update (a
+    time-boxed session; the schedule still follows `config.updates`). Returns the
+    loss of each update run."""
     from tqdm import tqdm
 
     torch.manual_seed(config.seed)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     start = 0
-    if checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
+    state = _resumable(checkpoint, run_key)
+    if state is not None:
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         start = state["update"]
@@ -304,13 +308,27 @@ def train_head(head: Eagle3Head, data: Batch, config: TrainConfig,
         losses.append(float(loss.detach()))
         bar.set_postfix(loss=f"{losses[-1]:.3f}", acc1=f"{accs[0][0] / max(1, accs[0][1]):.2f}")
         if checkpoint is not None and (update + 1) % config.checkpoint_every == 0:
-            _save(checkpoint, head, opt, update + 1)
+            _save(checkpoint, head, opt, update + 1, run_key)
     if checkpoint is not None and losses:  # where the run stopped, early or not
-        _save(checkpoint, head, opt, start + len(losses))
+        _save(checkpoint, head, opt, start + len(losses), run_key)
     return losses
 
 
-def _save(path: Path, head: Eagle3Head, opt: torch.optim.Optimizer, update: int) -> None:
+def _resumable(path: Path | None, run_key: str) -> dict | None:
+    """The checkpoint at `path` if this run wrote it, else None."""
+    if path is None or not path.exists():
+        return None
+    state: dict = torch.load(path, weights_only=False)
+    if state.get("run_key", "") != run_key:
+        logger.warning("%s was written by another run (other data or settings): "
+                       "training from the start", path)
+        return None
+    return state
+
+
+def _save(path: Path, head: Eagle3Head, opt: torch.optim.Optimizer, update: int,
+          run_key: str) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "update": update}, tmp)
+    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "update": update,
+                "run_key": run_key}, tmp)
     tmp.replace(path)  # a crash mid-write never leaves a broken checkpoint

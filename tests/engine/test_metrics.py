@@ -124,6 +124,30 @@ def test_cumulative_stats_counted_once_across_steps() -> None:
     assert per_pos[:4] == stats.spec.num_accepted_tokens_per_pos
 
 
+def test_a_restarted_engine_counts_on_from_its_own_zero() -> None:
+    """A new engine process's cumulative counts start again at zero: the exported
+    totals keep growing by what it adds (a negative increment raised in the thread
+    that serves every stream)."""
+    registry, core = CollectorRegistry(), FakeCore()
+    metrics = EngineMetrics(registry, MODEL)
+    core.scheduler.stats.num_steps = 50
+    core.scheduler.stats.record_verification(3, 2)
+    core.scheduler.stats.num_preemptions = 4
+    metrics.on_step(core, [], {})
+    restarted = FakeCore()
+    restarted.scheduler.stats.num_steps = 2
+    restarted.scheduler.stats.record_verification(2, 1)
+    metrics.on_step(restarted, [], {})
+    assert value(registry, "spec_decode_num_drafts_total") == 2
+    assert value(registry, "spec_decode_num_draft_tokens_total") == 5
+    assert value(registry, "spec_decode_num_accepted_tokens_total") == 3
+    assert value(registry, "num_preemptions_total") == 4
+    restarted.scheduler.stats.record_verification(1, 1)
+    restarted.scheduler.stats.num_steps = 3
+    metrics.on_step(restarted, [], {})
+    assert value(registry, "spec_decode_num_draft_tokens_total") == 6
+
+
 def test_draft_policy_choices_and_step_time_predictions() -> None:
     """The chosen-k counter adds each step's new choices once; the step-time gauges
     show the last timed step and the mean error."""

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, EngineProcessDiedError
 from engine.llm import LLM
 from engine.process_engine import ProcessEngine
 from scheduler import SamplingParams
@@ -121,3 +121,28 @@ def test_a_stopped_engine_refuses_new_requests_at_once() -> None:
     assert pid is not None
     with pytest.raises(ProcessLookupError):  # stopped and reaped
         os.kill(pid, 0)
+
+
+def test_a_fault_handling_the_engines_output_fails_the_open_requests_and_restarts() -> None:
+    """A bug on the API side of the pipe (here a metrics hook that raises) must not
+    leave streams waiting forever: the engine process is stopped, its requests fail
+    with the reason, and a new one serves."""
+    eng = make_process_engine(max_model_len=128, kv_cache_memory_bytes=16 << 20)
+    try:
+        def broken(*_: object) -> None:
+            raise RuntimeError("hook fault")
+
+        eng.on_step.append(broken)
+        with pytest.raises(EngineProcessDiedError, match="handling its output"):
+            asyncio.run(collect(eng, "r", [1, 2, 3], SamplingParams(max_tokens=8)))
+        eng.on_step.remove(broken)
+        deadline = time.monotonic() + 120
+        while not eng.is_alive:
+            assert time.monotonic() < deadline, eng.health()
+            time.sleep(0.1)
+        ids, reason, _ = asyncio.run(collect(eng, "again", [1, 2, 3],
+                                             SamplingParams(max_tokens=3, ignore_eos=True)))
+        assert len(ids) == 3 and reason == "length"
+        assert eng.health()[1]["engine_restarts"] == 1
+    finally:
+        eng.shutdown()

@@ -174,3 +174,30 @@ def test_train_drafter_command_writes_a_head_that_serves(tmp_path: Path,
     prompt = ["def add(a, b):"]
     assert llm.generate(prompt, params)[0].outputs[0].token_ids == \
         off.generate(prompt, params)[0].outputs[0].token_ids
+
+
+def test_a_checkpoint_of_another_run_is_not_resumed(data: tuple[Batch, Batch, torch.Tensor],
+                                                    tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Training into a directory that holds another run's checkpoint (other data or
+    settings) starts over: resuming it served a head whose draft ids mapped through
+    another vocabulary (first-draft acceptance 0.01, measured). The same run resumes."""
+    train, _, d2t = data
+    config = TrainConfig(updates=8, batch_size=4, lr=2e-3, depth=2, seed=3,
+                         checkpoint_every=4)
+    ckpt = tmp_path / "c.pt"
+    train_head(fresh_head(d2t), train, config, checkpoint=ckpt, progress=False,
+               stop_at=4, run_key="old")
+    fresh = fresh_head(d2t)
+    train_head(fresh, train, config, progress=False, run_key="new")
+    other = fresh_head(d2t)
+    with caplog.at_level("WARNING", logger="specbudget.training"):
+        losses = train_head(other, train, config, checkpoint=ckpt, progress=False,
+                            run_key="new")
+    assert len(losses) == 8 and "another run" in caplog.text
+    for (name, a), (_, b) in zip(fresh.state_dict().items(), other.state_dict().items(),
+                                 strict=True):
+        assert torch.allclose(a, b, atol=1e-6), name
+    same = fresh_head(d2t)  # the run that wrote it resumes: only what is left runs
+    assert len(train_head(same, train, config, checkpoint=ckpt, progress=False,
+                          run_key="new")) == 0
