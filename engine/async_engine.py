@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -26,18 +25,12 @@ from engine.errors import (
     RequestFailedError,
 )
 from engine.output import LatencySample, OutputProcessor, RequestDelta
-from engine.serving import queued_deltas
+from engine.serving import DeltaStream, queued_deltas
 from engine.tokenizer import Tokenizer
 from runner.models.llama import LlamaForCausalLM
 from scheduler import Request, SamplingParams
 
 logger = logging.getLogger("specbudget.engine")
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestDelta | BaseException]
 
 
 StatsHook = Callable[[EngineCore, list[RequestDelta], dict[str, LatencySample]], None]
@@ -54,7 +47,7 @@ class AsyncEngine:
         self.config = config
         self.log_interval_s = log_interval_s
         self.on_step: list[StatsHook] = []
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, DeltaStream] = {}
         self._adds: list[tuple[Request, SamplingParams]] = []
         self._aborts: list[str] = []
         self._wake = threading.Condition()
@@ -97,7 +90,7 @@ class AsyncEngine:
         (`buffered` changes nothing here: this engine cannot lose a request midway.)"""
         if not self.is_alive:
             raise EngineDeadError(f"engine is dead: {self.dead!r}")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = DeltaStream(asyncio.get_running_loop(), asyncio.Queue())
         request = Request(request_id, prompt_token_ids, params,
                           eos_token_id=self.tokenizer.eos_token_id, priority=priority)
         with self._wake:
@@ -184,7 +177,7 @@ class AsyncEngine:
                                  EngineDeadError(f"engine step failed: {err!r}"))
 
     @staticmethod
-    def _deliver_to(stream: _Stream, item: BaseException) -> None:
+    def _deliver_to(stream: DeltaStream, item: BaseException) -> None:
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
     def _step(self) -> None:

@@ -94,7 +94,6 @@ class Failed(msgspec.Struct, array_like=True, tag="failed"):
         return f"{self.kind}: {self.message}"
 
 
-ToEngine = EngineInputs
 FromEngine = StepOutputs | Ready | Failed
 
 

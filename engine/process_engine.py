@@ -40,7 +40,7 @@ from engine.core_process import engine_main
 from engine.errors import EngineDeadError, EngineProcessDiedError, RequestFailedError
 from engine.ipc import Codec, EngineInputs, Failed, NewRequest, Ready, Snapshot, StepOutputs
 from engine.output import LatencySample, OutputProcessor, RequestDelta
-from engine.serving import queued_deltas
+from engine.serving import DeltaStream, queued_deltas
 from engine.tokenizer import Tokenizer
 from runner.model_prep import resolve_model
 from scheduler import SamplingParams
@@ -58,12 +58,6 @@ class EngineState:
 
 
 @dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestDelta | BaseException]
-
-
-@dataclass
 class _Child:
     """One engine process and the API process's ends of its pipes."""
 
@@ -72,8 +66,7 @@ class _Child:
     from_engine: Connection
     started: float
     ready: threading.Event
-    failure: str | None = None  # what its `Failed` message said
-    refusal: str | None = None  # a ValueError at start: the settings cannot run
+    failed: Failed | None = None  # its last word, if it sent one
 
 
 class _SnapshotView:
@@ -132,7 +125,7 @@ class ProcessEngine:
         self._lock = threading.Lock()  # streams, processor, pending inputs
         self._send_lock = threading.Lock()
         self._hook_lock = threading.Lock()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, DeltaStream] = {}
         self._adds: list[NewRequest] = []
         self._aborts: list[str] = []
         self._flush_scheduled = False
@@ -166,8 +159,8 @@ class ProcessEngine:
                                f"{self.start_timeout_s:g} s")
         if self.state != EngineState.READY:
             self.shutdown()
-            if child.refusal is not None:
-                raise ValueError(child.refusal)
+            if child.failed is not None and child.failed.kind == "ValueError":
+                raise ValueError(child.failed.message)  # settings the engine refused
             raise RuntimeError(f"the engine process failed to start: {self.error}")
 
     def _read(self, child: _Child) -> None:
@@ -180,14 +173,12 @@ class ProcessEngine:
                 elif isinstance(message, Ready):
                     self._on_ready(child, message)
                 elif isinstance(message, Failed):
-                    child.failure = message.error
-                    if message.kind == "ValueError":
-                        child.refusal = message.message
+                    child.failed = message
         except (EOFError, OSError):
             pass
         except Exception:  # a fault on this side: the process is useless without us
             logger.exception("failed handling the engine process's output; stopping it")
-            child.failure = "the API process failed handling its output"
+            child.failed = Failed("RuntimeError", "the API process failed handling its output")
             child.process.kill()
         self._on_exit(child)
 
@@ -209,7 +200,7 @@ class ProcessEngine:
             return
         was_ready = child.ready.is_set()
         reason = (f"engine process {child.process.pid} {describe_exit(child.process.exitcode)}"
-                  + (f": {child.failure}" if child.failure else ""))
+                  + (f": {child.failed.error}" if child.failed else ""))
         logger.error("%s; failing every request in flight", reason)
         self.error = reason
         self.state = EngineState.DEAD
@@ -238,7 +229,7 @@ class ProcessEngine:
     # ---- steps coming back ---------------------------------------------------------
 
     def _on_step(self, message: StepOutputs) -> None:
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[DeltaStream, Any]]] = {}
         with self._lock:
             deltas, stopped, latency = self.processor.process(message.outputs)
             for delta in deltas:
@@ -316,7 +307,7 @@ class ProcessEngine:
                        params: SamplingParams, priority: int = 0,
                        buffered: bool = False) -> AsyncIterator[RequestDelta]:
         """Stream one request's deltas; leaving early (a disconnect) aborts it."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = DeltaStream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self.state != EngineState.READY:
                 raise (EngineProcessDiedError if self.error else EngineDeadError)(
@@ -386,6 +377,6 @@ class ProcessEngine:
         self.state = EngineState.STOPPED
 
 
-def _put_all(items: list[tuple[_Stream, Any]]) -> None:
+def _put_all(items: list[tuple[DeltaStream, Any]]) -> None:
     for stream, item in items:
         stream.queue.put_nowait(item)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -44,6 +45,15 @@ class ServingEngine(Protocol):
                        model_name: str) -> Callable[[], None]: ...
 
     def shutdown(self) -> None: ...
+
+
+@dataclass
+class DeltaStream:
+    """Where an engine puts one request's deltas (or the exception that ends it),
+    and the event loop its caller awaits them on."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestDelta | BaseException]
 
 
 async def queued_deltas(queue: asyncio.Queue[RequestDelta | BaseException],
