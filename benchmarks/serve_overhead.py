@@ -1,17 +1,19 @@
 """What the HTTP front end costs: offline capacity against served throughput, with the
-engine on a thread of the server's process (the old layout, `--engine-in-process`)
-and in its own process (the default).
+engine on a thread of the server's process (the old layout, `--engine-in-process`),
+in its own process (the default), and as two data-parallel replicas on Ray
+(`--data-parallel-size 2`, the cores split between them; `--layouts` picks).
 
 For each concurrency c the same requests (the completion prompts of `engine/bench.py`,
 greedy, `ignore_eos`, so every run makes exactly the same tokens) go through:
 - **offline**: `LLM.generate` with `max_num_seqs=c` in this process, no HTTP;
-- **in-process** and **process**: `specbudget serve` in its own process, the streaming
-  client (`engine/bench.py`) in this one, c requests in flight.
+- **in-process**, **process** and **ray-2**: `specbudget serve` in its own process,
+  the streaming client (`engine/bench.py`) in this one, c requests in flight.
 Served ÷ offline is the share of the engine's capacity a user gets through HTTP.
 TTFT and ITL are the client's p50/p99. Layouts alternate within each repeat and the
 medians over repeats are reported (timings on a shared machine are noisy).
 
-    python benchmarks/serve_overhead.py [--quick] [--repeats 3] [--out JSON]
+    python benchmarks/serve_overhead.py [--quick] [--repeats 3] [--layouts in-process,process]
+                                        [--out JSON]
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ from engine import bench  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "serve_overhead.json"
 MODEL_NAME = "smollm2-135m"
-LAYOUTS = {"in-process": ["--engine-in-process"], "process": []}
+LAYOUTS = {"in-process": ["--engine-in-process"], "process": [],
+           "ray-2": ["--data-parallel-size", "2"]}
+DEFAULT_LAYOUTS = "in-process,process"
 
 
 def engine_args(max_concurrency: int) -> dict[str, Any]:
@@ -84,7 +88,7 @@ def summary(offline: list[dict[str, Any]], served: dict[str, list[list[dict[str,
     return rows
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+def plot(rows: list[dict[str, Any]], layouts: list[str], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,7 +101,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     for ax, (key, label) in zip(axes, panels, strict=True):
         if key == "tok_s":
             ax.plot(xs, [r["offline_tok_s"] for r in rows], marker="o", label="offline")
-        for layout in LAYOUTS:
+        for layout in layouts:
             ax.plot(xs, [r[layout][key] for r in rows], marker="o", label=f"served, {layout}")
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
@@ -121,7 +125,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "(default 2; quick: 1)")
     parser.add_argument("--repeats", type=int, default=None, help="default 3 (quick: 1)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    parser.add_argument("--layouts", default=DEFAULT_LAYOUTS,
+                        help=f"comma-separated, of {', '.join(LAYOUTS)} (default "
+                        f"{DEFAULT_LAYOUTS})")
     args = parser.parse_args(argv)
+    layouts = args.layouts.split(",")
+    unknown = sorted(set(layouts) - set(LAYOUTS))
+    if unknown or not layouts:
+        parser.error(f"--layouts: unknown {unknown}; choose from {', '.join(LAYOUTS)}")
     quick = args.quick
     concurrencies = bench.parse_list(args.concurrency or ("1,4" if quick else "1,16,64"))
     max_tokens = args.max_tokens or (8 if quick else 32)
@@ -131,9 +142,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     pool = list(bench.COMPLETION_PROMPTS)
     started = time.perf_counter()
     offline: list[dict[str, Any]] = []
-    served: dict[str, list[list[dict[str, Any]]]] = {layout: [] for layout in LAYOUTS}
+    served: dict[str, list[list[dict[str, Any]]]] = {layout: [] for layout in layouts}
     for repeat in range(repeats):
-        order = list(LAYOUTS) if repeat % 2 == 0 else list(reversed(LAYOUTS))
+        order = layouts if repeat % 2 == 0 else layouts[::-1]
         for c in concurrencies:
             n = max(8, per_slot * c)
             cfg = bench.LoadConfig(num_prompts=n, max_tokens=max_tokens, concurrency=c,
@@ -148,18 +159,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = summary(offline, served, concurrencies)
     report = {"benchmark": "serve_overhead", "quick": quick, "model": MODEL_NAME,
               "concurrency": concurrencies, "max_tokens": max_tokens,
-              "requests_per_slot": per_slot, "repeats": repeats, "engine": eargs,
+              "requests_per_slot": per_slot, "repeats": repeats, "layouts": layouts,
+              "engine": eargs,
               "summary": rows, "offline": offline, "served": served,
               "wall_s": round(time.perf_counter() - started, 1)}
     out = out_path(args, DEFAULT_OUT)
     write_report(out, report)
-    plot(rows, out.with_suffix(".png"), f"served vs offline: {MODEL_NAME}, dtype "
+    plot(rows, layouts, out.with_suffix(".png"), f"served vs offline: {MODEL_NAME}, dtype "
          f"{args.dtype}, {max_tokens} tokens per request, client in its own process")
     for row in rows:
         print(f"c={row['concurrency']}: offline {row['offline_tok_s']} tok/s; " + "; ".join(
             f"{layout} {row[layout]['tok_s']} ({row[layout]['served_over_offline']}x), "
             f"TTFT p50 {row[layout]['ttft_p50_ms']} ms, ITL p50 {row[layout]['itl_p50_ms']} ms"
-            for layout in LAYOUTS))
+            for layout in layouts))
     print(f"wrote {out} ({report['wall_s']:.0f} s)")
     return report
 

@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine.config import EngineConfig
 from engine.ipc import (
@@ -50,10 +50,24 @@ def die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-class CoreLoop:
-    """One engine core behind two pipes; see the module docstring."""
+class Channel(Protocol):
+    """What the loop needs of either end: a multiprocessing `Connection` (a pipe to
+    the API process), or engine/replica.py's in-process queue (a Ray actor)."""
 
-    def __init__(self, core: EngineCore, inputs: Connection, outputs: Connection) -> None:
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        """Whether a message (or the end) is there, waiting up to `timeout` (None:
+        until there is)."""
+
+    def recv_bytes(self) -> bytes:
+        """The next message; EOFError at the end."""
+
+    def send_bytes(self, buf: bytes) -> None: ...
+
+
+class CoreLoop:
+    """One engine core behind two channels; see the module docstring."""
+
+    def __init__(self, core: EngineCore, inputs: Channel, outputs: Channel) -> None:
         self.core = core
         self.inputs = inputs
         self.outputs = outputs
@@ -113,16 +127,10 @@ class CoreLoop:
         self.outputs.send_bytes(self.codec.encode(message))
 
 
-def engine_main(config: EngineConfig, inputs: Connection, outputs: Connection,
-                log_level: int = logging.INFO) -> None:
-    """The child's entry point; see the module docstring."""
-    die_with_parent()
-    # Ctrl-C and a service manager's SIGTERM reach the whole process group; the API
-    # process drains its requests first and then stops this one (or kills it).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level,
-                        format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
+def run_core(config: EngineConfig, inputs: Channel, outputs: Channel, node: str = "") -> int:
+    """Load the engine, say `Ready`, serve until told to stop or the other side goes
+    away; 0 then, 1 after a fault (sent as `Failed` first: `ValueError` at start means
+    settings the engine refused). Shared by the child process and the Ray replica."""
     from engine.core import EngineCore  # here: the API process never loads the engine
 
     codec = Codec()
@@ -135,13 +143,29 @@ def engine_main(config: EngineConfig, inputs: Connection, outputs: Connection,
         core = EngineCore(config)
     except ValueError as err:  # settings that cannot run: the API process says which
         last_word(err)
-        raise SystemExit(1) from None
+        return 1
     try:
-        outputs.send_bytes(codec.encode(Ready(os.getpid(), core.runner.dtype_description)))
+        outputs.send_bytes(codec.encode(Ready(os.getpid(), core.runner.dtype_description,
+                                              node)))
         CoreLoop(core, inputs, outputs).run()
     except (EOFError, BrokenPipeError):
-        return  # the API process went away: nothing left to serve
-    except BaseException as err:
+        return 0  # the API process went away: nothing left to serve
+    except Exception as err:
         logger.exception("engine core failed")
         last_word(err)
-        raise SystemExit(1) from None
+        return 1
+    return 0
+
+
+def engine_main(config: EngineConfig, inputs: Connection, outputs: Connection,
+                log_level: int = logging.INFO) -> None:
+    """The child's entry point; see the module docstring."""
+    die_with_parent()
+    # Ctrl-C and a service manager's SIGTERM reach the whole process group; the API
+    # process drains its requests first and then stops this one (or kills it).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level,
+                        format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
+    if run_core(config, inputs, outputs) != 0:
+        raise SystemExit(1)

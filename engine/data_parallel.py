@@ -1,18 +1,24 @@
 """N engine replicas on Ray behind one front end (`specbudget serve --data-parallel-size N`).
 
-Each replica is a Ray actor (`EngineReplica`, engine/replica.py) holding a whole
-engine; this process keeps the tokenizer, the router and the HTTP server, and
-`DataParallelEngine` stands where `AsyncEngine` stands for one engine (the server
-takes either). Ray is imported here only, and only when N > 1.
+Each replica is a Ray actor (`EngineReplica`, engine/replica.py) running the same
+engine-core loop as the engine process of `specbudget serve` with one replica
+(engine/core_process.py), and this process fronts each with the same `CoreClient`
+(engine/core_client.py): one message format (engine/ipc.py) and one front end for
+both layouts. Requests added in one turn of the event loop go to a replica as one
+message; each step comes back as one message with every request's new token ids,
+detokenised here. This process keeps the tokenizer, the router and the HTTP server;
+`DataParallelEngine` stands where `ProcessEngine` stands for one engine. Ray is
+imported here only, and only when N > 1.
 
-- **Routing** (engine/routing.py): least loaded by 4·waiting + running, prefix
-  affinity on ties. Deltas stream back as the replica yields them (a Ray streaming
-  generator), never buffered whole.
-- **Health**: a monitor thread asks every replica for its load (and its metrics)
-  every `health_interval_s`; a replica whose call fails is dead (its engine faulted,
-  or its process is gone), one that Ray is restarting is starting, and a replica
-  that answers again is ready. Ray restarts dead replicas (`max_restarts=-1`; one
-  whose engine faulted is killed first so that Ray replaces it).
+- **Routing** (engine/routing.py): least loaded by 4·waiting + running, counted
+  from what this front end has in flight on each replica and its last step; prefix
+  affinity on ties.
+- **Health**: one reader thread per replica follows its output stream. `Ready`
+  makes it ready; the stream breaking (the actor's process died) or ending after
+  `Failed` (its engine faulted; the actor is then killed) makes it dead, and Ray
+  restarts it (`max_restarts=-1`); the reader connects to the new one, which is
+  ready when it says so. A replica whose settings the engine refuses at start is
+  not restarted: `wait_ready` raises that ValueError.
 - **Failover**: a request whose replica dies before the client saw anything is sent
   to another ready replica: a stream that has sent nothing yet, and any non-streamed
   request (`buffered`: its deltas are held until it ends, so it is re-sent even from
@@ -33,7 +39,14 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, EngineShutdownError, ReplicaFailedError
+from engine.core_client import CoreClient
+from engine.errors import (
+    EngineDeadError,
+    EngineProcessDiedError,
+    EngineShutdownError,
+    ReplicaFailedError,
+)
+from engine.ipc import Codec, Failed, Ready, StepOutputs
 from engine.output import RequestDelta
 from engine.replica import EngineReplica
 from engine.routing import ReplicaLoad, ReplicaState, pick_replica
@@ -46,30 +59,58 @@ RAY_HINT = ("data_parallel_size > 1 runs replicas on Ray, which is not installed
             "pip install -e '.[ray]' (make install does)")
 
 
-class _Replica:
-    """One actor and what the front end knows of it."""
+class _ReplicaDown(EngineProcessDiedError):
+    """Its replica died under this request: the front end may send it elsewhere."""
 
-    def __init__(self, index: int, actor: Any) -> None:
+
+class _Replica:
+    """One actor, the client fronting it, and what the router knows of it."""
+
+    def __init__(self, index: int, actor: Any, engine: DataParallelEngine) -> None:
         self.actor = actor
         self.load = ReplicaLoad(index)
+        self.client = CoreClient(engine.config, engine.tokenizer, self._push, self._gate,
+                                 name=f"replica {index}")
         self.info: dict[str, Any] = {}
-        self.metrics: list[Metric] = []
         self.error: str | None = None
+        self.start_error: str | None = None  # settings refused: not restarted
         self.num_routed = 0  # requests sent to it (re-sends included)
+        self.epoch = 0  # connections to the actor so far (engine/replica.py push)
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+
+    def connect(self) -> None:
+        with self._seq_lock:
+            self.epoch += 1
+            self._seq = 0
+
+    def _push(self, data: bytes) -> None:
+        with self._seq_lock:  # numbered in the order sent; the actor applies them so
+            seq, self._seq = self._seq, self._seq + 1
+            epoch = self.epoch
+        try:
+            self.actor.push.remote(epoch, seq, data)
+        except Exception:  # gone: its reader fails the requests
+            logger.debug("replica %d: message dropped", self.load.index)
+
+    def _gate(self) -> None:
+        if self.load.state is not ReplicaState.READY:
+            raise _ReplicaDown(f"replica {self.load.index} is {self.load.state.value}")
 
     def describe(self) -> dict[str, Any]:
+        waiting, running = self.client.load()
         return {"replica": self.load.index, "state": self.load.state.value,
-                "waiting": self.load.waiting, "running": self.load.running,
+                "waiting": waiting, "running": running,
                 **{k: self.info[k] for k in ("pid", "node_id") if k in self.info},
                 **({"error": self.error} if self.error else {})}
 
 
 class DataParallelEngine:
-    """`AsyncEngine`'s serving interface over N replicas; see the module docstring."""
+    """`ServingEngine` over N replicas; see the module docstring."""
 
     def __init__(self, config: EngineConfig, data_parallel_size: int,
                  ray_address: str | None = None, model_name: str = "default",
-                 num_threads: int | None = None, health_interval_s: float = 0.5) -> None:
+                 num_threads: int | None = None) -> None:
         try:
             import ray
         except ImportError:
@@ -80,22 +121,24 @@ class DataParallelEngine:
             ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
         self.config = config
         self.size = data_parallel_size
+        self.model_name = model_name
         self.tokenizer = Tokenizer.from_dir(resolve_model(config.model))
         threads = num_threads or max(1, (os.cpu_count() or 1) // data_parallel_size)
         actor_class = ray.remote(EngineReplica).options(
             max_restarts=-1, max_task_retries=0, num_cpus=threads,
             scheduling_strategy="SPREAD")
-        self.replicas = [_Replica(i, actor_class.remote(config, i, threads, model_name))
+        self.replicas = [_Replica(i, actor_class.remote(config, i, threads), self)
                          for i in range(data_parallel_size)]
-        self.health_interval_s = health_interval_s
         self.num_resent = 0
         self.num_failed_streams = 0
-        self._streams: dict[str, tuple[_Replica, Any]] = {}
+        self._routed: dict[str, _Replica] = {}
         self._closing: BaseException | None = None
-        self._stop = threading.Event()
-        self._monitor = threading.Thread(target=self._watch, name="specbudget-dp-health",
-                                         daemon=True)
-        self._monitor.start()
+        self._codec = Codec()
+        self._readers = [threading.Thread(target=self._follow, args=(r,), daemon=True,
+                                          name=f"specbudget-dp-reader-{r.load.index}")
+                         for r in self.replicas]
+        for reader in self._readers:
+            reader.start()
 
     # ---- health ----------------------------------------------------------------------
 
@@ -107,59 +150,73 @@ class DataParallelEngine:
         return self.is_alive, {"replicas": [r.describe() for r in self.replicas]}
 
     def wait_ready(self, timeout: float = 300.0, every: bool = False) -> None:
-        """Block until one replica (`every`: all of them) is ready."""
+        """Block until one replica (`every`: all of them) is ready; ValueError if the
+        engine refused the settings."""
         deadline = time.monotonic() + timeout
         while not (all if every else any)(r.load.state is ReplicaState.READY
                                           for r in self.replicas):
+            refused = [r.start_error for r in self.replicas if r.start_error]
+            if refused:
+                raise ValueError(refused[0])
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replicas not ready after {timeout:g} s: "
                                    f"{[r.describe() for r in self.replicas]}")
             time.sleep(0.05)
 
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            self._poll()
-            self._stop.wait(self.health_interval_s)
-
-    def _poll(self) -> None:
+    def _follow(self, replica: _Replica) -> None:
+        """The reader thread of one replica, across its restarts (module docstring)."""
         ray = self._ray
-        calls = [(r, r.actor.load.remote(), r.actor.metrics.remote()) for r in self.replicas]
-        for replica, load_ref, metrics_ref in calls:
+        while self._closing is None:
+            replica.connect()
+            failed: Failed | None = None
+            broken = False
             try:
-                (waiting, running), metrics = ray.get([load_ref, metrics_ref],
-                                                      timeout=max(2.0, self.health_interval_s))
-            except ray.exceptions.GetTimeoutError:
-                continue  # busy loading or stepping: keep what we knew
-            except ray.exceptions.ActorUnavailableError:
-                replica.load.state = ReplicaState.STARTING  # Ray is restarting it
-                continue
-            except Exception as err:  # died, or its engine faulted (load raised)
-                self._mark_dead(replica, err)
-                continue
-            if replica.load.state is not ReplicaState.READY:
-                try:  # bounded, like the calls above: the monitor must never hang
-                    replica.info = ray.get(replica.actor.info.remote(),
-                                           timeout=max(2.0, self.health_interval_s))
-                except Exception:
-                    continue  # asked again next round
-                replica.error = None
-                logger.info("replica %d ready (pid %s)", replica.load.index,
-                            replica.info.get("pid"))
-            load = replica.load
-            load.waiting, load.running, load.sent = waiting, running, 0
-            load.state = ReplicaState.READY
-            replica.metrics = metrics
+                stream = replica.actor.outputs.options(num_returns="streaming").remote()
+                for ref in stream:
+                    for data in ray.get(ref):
+                        failed = self._on_message(replica, data) or failed
+            except Exception as err:  # its process died: RayActorError, or
+                broken = True  # ActorUnavailableError while Ray restarts it
+                failed = failed or Failed(type(err).__name__, "the replica's process died")
+            if self._closing is not None:
+                return
+            if not self._replica_died(replica, failed, broken):
+                return
+            time.sleep(0.2)
 
-    def _mark_dead(self, replica: _Replica, err: BaseException) -> None:
-        if replica.load.state is ReplicaState.DEAD:
-            return
-        logger.warning("replica %d failed: %r", replica.load.index, err)
+    def _on_message(self, replica: _Replica, data: bytes) -> Failed | None:
+        message = self._codec.decode_outputs(data)
+        if isinstance(message, StepOutputs):
+            replica.client.on_outputs(message)
+        elif isinstance(message, Ready):
+            self._on_ready(replica, message)
+        elif isinstance(message, Failed):
+            return message
+        return None
+
+    def _on_ready(self, replica: _Replica, message: Ready) -> None:
+        replica.info = {"pid": message.pid, "node_id": message.node}
+        replica.error = None
+        replica.load.state = ReplicaState.READY
+        logger.info("replica %d ready (pid %d, %s)", replica.load.index, message.pid,
+                    message.description)
+
+    def _replica_died(self, replica: _Replica, failed: Failed | None, broken: bool) -> bool:
+        """Mark it dead and fail its requests; whether to wait for Ray's restart."""
+        was_ready = replica.load.state is ReplicaState.READY
+        reason = failed.error if failed else "its output stream ended"
+        if replica.load.state is not ReplicaState.DEAD:  # not again while Ray restarts it
+            logger.warning("replica %d failed: %s", replica.load.index, reason)
+            replica.error = reason
         replica.load.state = ReplicaState.DEAD
-        replica.error = type(err).__name__
-        replica.metrics = []
-        if not isinstance(err, self._ray.exceptions.RayActorError):
-            # Its process lives on with a dead engine: kill it so that Ray restarts it.
+        replica.client.fail_streams(_ReplicaDown(f"replica {replica.load.index}: {reason}"))
+        if not was_ready and failed is not None and failed.kind == "ValueError":
+            replica.start_error = failed.message  # settings refused: a restart cannot help
+            self._ray.kill(replica.actor, no_restart=True)
+            return False
+        if not broken:  # its process lives on with a dead engine: Ray replaces a killed one
             self._ray.kill(replica.actor, no_restart=False)
+        return True
 
     # ---- requests --------------------------------------------------------------------
 
@@ -173,14 +230,12 @@ class DataParallelEngine:
         tried: set[int] = set()
         while True:
             replica = self._route(prompt_token_ids, tried)
-            stream = replica.actor.generate.options(num_returns="streaming").remote(
-                request_id, prompt_token_ids, params, priority)
-            self._streams[request_id] = (replica, stream)
+            self._routed[request_id] = replica
             emitted = finished = False
             held: list[RequestDelta] = []
             try:
-                async for ref in stream:
-                    delta: RequestDelta = await ref
+                async for delta in replica.client.generate(request_id, prompt_token_ids,
+                                                           params, priority):
                     finished = delta.finished
                     if buffered:
                         held.append(delta)
@@ -190,80 +245,59 @@ class DataParallelEngine:
                 for delta in held:
                     yield delta
                 return
-            except Exception as raised:
+            except _ReplicaDown as err:
                 if self._closing is not None:
                     raise self._closing from None
-                err = self._unwrap(raised)
-                if not self._replica_failed(err):
-                    raise err from None  # the request's own error: a refusal, a traced fault
-                self._mark_dead(replica, err)
+                finished = True  # the replica's client has dropped it
                 if emitted:
                     self.num_failed_streams += 1
                     raise ReplicaFailedError(
-                        f"replica {replica.load.index} failed while streaming: "
-                        f"{type(err).__name__}") from None
+                        f"replica {replica.load.index} failed while streaming: {err}") from None
                 self.num_resent += 1
                 tried.add(replica.load.index)
                 logger.warning("request %s: replica %d failed before the client saw a "
                                "token; sending it to another", request_id, replica.load.index)
+            except Exception:  # the client ended it: a refusal, a traced fault, fail_all
+                finished = True
+                if self._closing is not None:
+                    raise self._closing from None
+                raise
             finally:
-                self._streams.pop(request_id, None)
-                if not finished:
-                    self._cancel(replica, stream, request_id)
+                self._routed.pop(request_id, None)
+                if not finished:  # left early (a disconnect): the replica stops it now
+                    replica.client.abort(request_id)
 
     def _route(self, prompt_token_ids: list[int], tried: set[int]) -> _Replica:
         if self._closing is not None:
             raise self._closing
+        for r in self.replicas:  # what this front end has in flight there, and its last step
+            r.load.waiting, r.load.running = r.client.load()
         load = pick_replica([r.load for r in self.replicas], prompt_token_ids,
                             self.config.block_size, frozenset(tried))
         if load is None:
             raise EngineDeadError("no engine replica is ready: "
                                   f"{[r.describe() for r in self.replicas]}")
-        load.sent += 1
         replica = self.replicas[load.index]
         replica.num_routed += 1
         return replica
 
-    def _unwrap(self, err: Exception) -> Exception:
-        """The replica's own exception (a ValueError refusal, RequestFailedError, ...)
-        rather than Ray's wrapper, whose message carries the remote traceback."""
-        cause = getattr(err, "cause", None)
-        if isinstance(err, self._ray.exceptions.RayTaskError) and isinstance(cause, Exception):
-            return cause
-        return err
-
-    def _replica_failed(self, err: BaseException) -> bool:
-        """An actor gone, or its engine dead: not this request's fault."""
-        return isinstance(err, (self._ray.exceptions.RayActorError, EngineDeadError))
-
-    def _cancel(self, replica: _Replica, stream: Any, request_id: str) -> None:
-        if replica.load.state is ReplicaState.DEAD:
-            return
-        try:
-            self._ray.cancel(stream)
-            replica.actor.abort.remote(request_id)
-        except Exception:  # already gone: nothing left to abort
-            logger.debug("abort of %s on replica %d failed", request_id, replica.load.index)
-
     def abort(self, request_id: str) -> None:
-        entry = self._streams.get(request_id)
-        if entry is not None:
-            self._cancel(entry[0], entry[1], request_id)
+        replica = self._routed.get(request_id)
+        if replica is not None:
+            replica.client.abort(request_id)
 
     def fail_all(self, error: BaseException) -> int:
         """End every request in flight with `error` (a shutdown that stops waiting)."""
         self._closing = error
-        streams = list(self._streams.items())
-        for request_id, (replica, stream) in streams:
-            self._cancel(replica, stream, request_id)
-        return len(streams)
+        return sum(r.client.fail_all(error) for r in self.replicas)
 
     def shutdown(self) -> None:
         self._closing = self._closing or EngineShutdownError("the engine is shutting down")
-        self._stop.set()
-        self._monitor.join(timeout=5)
         for replica in self.replicas:
+            replica.client.fail_streams(self._closing)
             self._ray.kill(replica.actor, no_restart=True)
+        for reader in self._readers:
+            reader.join(timeout=5)
         if self._started_ray:
             self._ray.shutdown()
 
@@ -271,24 +305,37 @@ class DataParallelEngine:
 
     def export_metrics(self, registry: CollectorRegistry,
                        model_name: str) -> Callable[[], None]:
-        """Every replica's `specbudget:*` metrics with a `replica` label, plus the
-        front end's own; returns the undo."""
-        collector = _ReplicaCollector(self)
+        """Every replica's `specbudget:*` metrics with a `replica` label (each fed from
+        its step messages, like one engine's), plus the front end's own; returns the
+        undo."""
+        from engine.metrics import wire_step_metrics
+
+        own = [CollectorRegistry() for _ in self.replicas]
+        unwires = [wire_step_metrics(r.client.on_step, reg, model_name)
+                   for r, reg in zip(self.replicas, own)]
+        collector = _ReplicaCollector(self, own)
         registry.register(collector)
-        return lambda: registry.unregister(collector)
+
+        def undo() -> None:
+            registry.unregister(collector)
+            for unwire in unwires:
+                unwire()
+
+        return undo
 
 
 class _ReplicaCollector:
-    """Merges the replicas' last metric snapshots (from the monitor; no call here)."""
+    """Merges the replicas' metrics, kept here from their step messages (no call out)."""
 
-    def __init__(self, engine: DataParallelEngine) -> None:
+    def __init__(self, engine: DataParallelEngine, registries: list[CollectorRegistry]) -> None:
         self.engine = engine
+        self.registries = registries
 
     def collect(self) -> list[Metric]:
         merged: dict[str, Metric] = {}
-        for replica in self.engine.replicas:
+        for replica, own in zip(self.engine.replicas, self.registries):
             label = str(replica.load.index)
-            for family in replica.metrics:
+            for family in own.collect():
                 out = merged.setdefault(family.name, Metric(family.name, family.documentation,
                                                             family.type, family.unit))
                 for s in family.samples:

@@ -81,6 +81,7 @@ class Ready(msgspec.Struct, array_like=True, tag="ready"):
 
     pid: int
     description: str
+    node: str = ""  # the Ray node a replica runs on
 
 
 class Failed(msgspec.Struct, array_like=True, tag="failed"):

@@ -7,9 +7,10 @@ front end. They talk over two pipes, one batched message per round each way
 (engine/ipc.py): requests added and aborted in one turn of the event loop go in
 one message; each step comes back as one message with every request's new tokens.
 
-A reader thread here receives the steps, detokenises them (`OutputProcessor`), asks
-the engine to stop requests a stop string ended, and hands each event loop its
-deltas in one call per step.
+A reader thread here receives the steps and hands each to `CoreClient`
+(engine/core_client.py, the front end `DataParallelEngine`'s replicas share), which
+detokenises them, asks the engine to stop requests a stop string ended, and hands
+each event loop its deltas in one call per step.
 
 When the engine process dies (SIGKILL, out of memory, a fault it cannot recover
 from), the reader sees its pipe close: every open request ends at once with
@@ -21,7 +22,6 @@ for supervisors). A process that dies before it is ready is not restarted again.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import multiprocessing
 import signal
@@ -36,15 +36,14 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from engine.config import EngineConfig
+from engine.core_client import CoreClient
 from engine.core_process import engine_main
-from engine.errors import EngineDeadError, EngineProcessDiedError, RequestFailedError
-from engine.ipc import Codec, EngineInputs, Failed, NewRequest, Ready, Snapshot, StepOutputs
-from engine.output import LatencySample, OutputProcessor, RequestDelta
-from engine.serving import DeltaStream, queued_deltas
+from engine.errors import EngineDeadError, EngineProcessDiedError
+from engine.ipc import Codec, EngineInputs, Failed, Ready, StepOutputs
+from engine.output import RequestDelta
 from engine.tokenizer import Tokenizer
 from runner.model_prep import resolve_model
 from scheduler import SamplingParams
-from scheduler.stats import SchedulerStats
 
 logger = logging.getLogger("specbudget.engine")
 
@@ -69,23 +68,6 @@ class _Child:
     failed: Failed | None = None  # its last word, if it sent one
 
 
-class _SnapshotView:
-    """The engine's last `Snapshot` as the metrics hook reads an EngineCore."""
-
-    def __init__(self, config: EngineConfig, snapshot: Snapshot) -> None:
-        self.config = config
-        self.scheduler = self
-        self.runner = self
-        self.stats: SchedulerStats = snapshot.stats
-        self.running = range(snapshot.running)
-        self.waiting = range(snapshot.waiting)
-        self.last_pass_rows = snapshot.pass_rows
-        self._kv_usage = snapshot.kv_usage
-
-    def kv_cache_usage(self) -> float:
-        return self._kv_usage
-
-
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
@@ -97,9 +79,6 @@ def describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-StepHook = Callable[[Any, list[RequestDelta], dict[str, LatencySample]], None]
-
-
 class ProcessEngine:
     """`ServingEngine` over an engine-core child process; see the module docstring."""
 
@@ -108,12 +87,12 @@ class ProcessEngine:
                  log_level: int = logging.INFO) -> None:
         self.config = config
         self.tokenizer = Tokenizer.from_dir(resolve_model(config.model))
-        self.processor = OutputProcessor(self.tokenizer)
+        self.client = CoreClient(config, self.tokenizer, self._send_bytes, self._gate,
+                                 log_interval_s)
+        self.on_step = self.client.on_step  # the metrics hooks, run per step
         self.restart = restart
         self.start_timeout_s = start_timeout_s
-        self.log_interval_s = log_interval_s
         self.log_level = log_level
-        self.on_step: list[StepHook] = []
         self.on_death: list[Callable[[str], None]] = []
         self.state = EngineState.STARTING
         self.error: str | None = None
@@ -122,16 +101,8 @@ class ProcessEngine:
         self.last_start_s: float | None = None  # spawn to ready, last (re)start
         self._codec = Codec()
         self._ctx = multiprocessing.get_context("spawn")
-        self._lock = threading.Lock()  # streams, processor, pending inputs
         self._send_lock = threading.Lock()
-        self._hook_lock = threading.Lock()
-        self._streams: dict[str, DeltaStream] = {}
-        self._adds: list[NewRequest] = []
-        self._aborts: list[str] = []
-        self._flush_scheduled = False
         self._closing = False
-        self._snapshot = Snapshot(0, 0, 0.0, {}, SchedulerStats())
-        self._last_log = time.monotonic()
         self._child = self._spawn()
         self._wait_first_start(self._child)
 
@@ -169,7 +140,7 @@ class ProcessEngine:
             while True:
                 message = self._codec.decode_outputs(child.from_engine.recv_bytes())
                 if isinstance(message, StepOutputs):
-                    self._on_step(message)
+                    self.client.on_outputs(message)
                 elif isinstance(message, Ready):
                     self._on_ready(child, message)
                 elif isinstance(message, Failed):
@@ -204,7 +175,7 @@ class ProcessEngine:
         logger.error("%s; failing every request in flight", reason)
         self.error = reason
         self.state = EngineState.DEAD
-        self._fail_streams(EngineProcessDiedError(reason))
+        self.client.fail_streams(EngineProcessDiedError(reason))
         if was_ready and self.restart:
             self.num_restarts += 1
             self.state = EngineState.RESTARTING
@@ -216,127 +187,32 @@ class ProcessEngine:
             for callback in self.on_death:
                 callback(reason)
 
-    def _fail_streams(self, error: BaseException) -> int:
-        with self._lock:
-            streams, self._streams = self._streams, {}
-            for request_id in streams:
-                self.processor.drop(request_id)
-            self._adds.clear()
-        for stream in streams.values():
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
-        return len(streams)
-
-    # ---- steps coming back ---------------------------------------------------------
-
-    def _on_step(self, message: StepOutputs) -> None:
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[DeltaStream, Any]]] = {}
-        with self._lock:
-            deltas, stopped, latency = self.processor.process(message.outputs)
-            for delta in deltas:
-                stream = self._streams.get(delta.request_id)
-                if stream is None:
-                    continue
-                failed = delta.error is not None
-                item = RequestFailedError(delta.error) if failed else delta
-                batches.setdefault(stream.loop, []).append((stream, item))
-                if delta.finished:
-                    del self._streams[delta.request_id]
-            for request_id, why in message.refused:
-                self.processor.drop(request_id)
-                stream = self._streams.pop(request_id, None)
-                if stream is not None:
-                    batches.setdefault(stream.loop, []).append((stream, ValueError(why)))
-        for loop, items in batches.items():
-            loop.call_soon_threadsafe(_put_all, items)
-        if stopped:
-            self._send(EngineInputs(stops=stopped))
-        self._snapshot = message.snapshot
-        self._run_hooks(deltas, latency)
-        if time.monotonic() - self._last_log >= self.log_interval_s:
-            self._log_line()
-
-    def _run_hooks(self, deltas: list[RequestDelta],
-                   latency: dict[str, LatencySample]) -> None:
-        if self.on_step:
-            view = _SnapshotView(self.config, self._snapshot)
-            with self._hook_lock:  # the reader thread, and an abort on the event loop
-                for hook in self.on_step:
-                    hook(view, deltas, latency)
-
-    def _log_line(self) -> None:
-        self._last_log = time.monotonic()
-        snap = self._snapshot
-        rate = snap.stats.spec.acceptance_rate
-        accept = f", acceptance {rate:.2f}" if rate is not None else ""
-        logger.info("running %d, waiting %d, KV usage %.1f%%%s", snap.running, snap.waiting,
-                    100 * snap.kv_usage, accept)
-
     # ---- requests going in ---------------------------------------------------------
 
-    def _send(self, message: EngineInputs) -> None:
-        data = self._codec.encode(message)
+    def _send_bytes(self, data: bytes) -> None:
         with self._send_lock:
             try:
                 self._child.to_engine.send_bytes(data)
             except OSError:  # the engine process is gone: the reader fails its requests
                 logger.debug("engine process gone; message dropped")
 
-    def _flush(self) -> None:
-        with self._lock:
-            adds, self._adds = self._adds, []
-            aborts, self._aborts = self._aborts, []
-            self._flush_scheduled = False
-        if adds or aborts:
-            self._send(EngineInputs(adds=adds, aborts=aborts))
+    def _gate(self) -> None:
+        if self.state != EngineState.READY:
+            raise (EngineProcessDiedError if self.error else EngineDeadError)(
+                f"the engine is not serving ({self.state}): {self.error}")
 
-    def _request_flush(self) -> None:
-        """Send what this turn of the event loop queued in one message, at its end
-        (outside an event loop: now)."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self._flush()
-            return
-        with self._lock:
-            if self._flush_scheduled:
-                return
-            self._flush_scheduled = True
-        loop.call_soon(self._flush)
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, priority: int = 0,
-                       buffered: bool = False) -> AsyncIterator[RequestDelta]:
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams, priority: int = 0,
+                 buffered: bool = False) -> AsyncIterator[RequestDelta]:
         """Stream one request's deltas; leaving early (a disconnect) aborts it."""
-        stream = DeltaStream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
-            if self.state != EngineState.READY:
-                raise (EngineProcessDiedError if self.error else EngineDeadError)(
-                    f"the engine is not serving ({self.state}): {self.error}")
-            self._streams[request_id] = stream
-            self.processor.add(request_id, len(prompt_token_ids), params)
-            self._adds.append(NewRequest(request_id, prompt_token_ids, params,
-                                         self.tokenizer.eos_token_id, priority))
-        self._request_flush()
-        async for delta in queued_deltas(stream.queue, lambda: self.abort(request_id)):
-            yield delta
+        return self.client.generate(request_id, prompt_token_ids, params, priority)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            if self._streams.pop(request_id, None) is None:
-                return
-            delta = self.processor.abort(request_id)
-            self._aborts.append(request_id)
-        self._request_flush()
-        if delta is not None:  # metrics count aborts as finished requests, like vLLM
-            self._run_hooks([delta], {})
+        self.client.abort(request_id)
 
     def fail_all(self, error: BaseException) -> int:
         """End every request in flight with `error` and abort it in the engine."""
-        with self._lock:
-            ids = list(self._streams)
-        count = self._fail_streams(error)
-        self._send(EngineInputs(aborts=ids))
-        return count
+        return self.client.fail_all(error)
 
     # ---- what the server asks -------------------------------------------------------
 
@@ -346,7 +222,7 @@ class ProcessEngine:
 
     def load(self) -> tuple[int, int]:
         """(waiting, running) as of the engine's last step."""
-        return self._snapshot.waiting + len(self._adds), self._snapshot.running
+        return self.client.load()
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         details: dict[str, Any] = {"engine_state": self.state, "engine_pid": self.pid,
@@ -369,14 +245,10 @@ class ProcessEngine:
         """Ask the engine process to stop; kill it if it has not within `timeout`."""
         self._closing = True
         child = self._child
-        self._send(EngineInputs(shutdown=True))
+        self.client.send(EngineInputs(shutdown=True))
         child.process.join(timeout)
         if child.process.is_alive():  # it ignores SIGTERM (engine/core_process.py)
             child.process.kill()
             child.process.join(2.0)
         self.state = EngineState.STOPPED
 
-
-def _put_all(items: list[tuple[DeltaStream, Any]]) -> None:
-    for stream, item in items:
-        stream.queue.put_nowait(item)

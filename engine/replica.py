@@ -1,67 +1,118 @@
-"""One data-parallel replica: a whole engine (scheduler, KV cache, model) in one process.
+"""One data-parallel replica: a whole engine core (scheduler, KV cache, model) in a Ray actor.
 
 `engine/data_parallel.py` runs this class as a Ray actor named `EngineReplica`
-(`ray.remote` wraps it there, so this file needs no Ray to import). Its methods are
-what the front end calls: `generate` streams a request's deltas back as they come (a
-Ray streaming generator, nothing buffered), `load` reports the queue lengths the
-router balances on, `metrics` the replica's own Prometheus samples.
+(`ray.remote` wraps it there, so this file needs no Ray to import). Inside, the same
+loop as the engine process of `specbudget serve` (engine/core_process.py `run_core`)
+runs on a thread, and the actor only carries its messages (engine/ipc.py):
+
+- `push(epoch, seq, data)`: one encoded `EngineInputs` from the front end. Ray does
+  not promise that an async actor runs calls in the order they were made, so each
+  carries a sequence number and is applied in order; `epoch` counts the front end's
+  connections to this replica, and a call left over from an earlier one is dropped.
+- `outputs()`: a Ray streaming generator of the loop's messages (`Ready`, then one
+  `StepOutputs` per step, `Failed` before it stops on a fault), each item every
+  message waiting when the front end asked, so a busy replica is not held back by
+  one round trip per step. It ends when the loop does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
+from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any
 
 import torch
-from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import Metric
 
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.output import RequestDelta
-from scheduler import SamplingParams
+from engine.core_process import run_core
+
+
+class QueueChannel:
+    """A `Channel` (engine/core_process.py) between threads of one process."""
+
+    def __init__(self) -> None:
+        self._items: deque[bytes] = deque()
+        self._ready = threading.Condition()
+        self._closed = False
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        with self._ready:
+            self._ready.wait_for(lambda: self._items or self._closed, timeout)
+            return bool(self._items) or self._closed
+
+    def recv_bytes(self) -> bytes:
+        with self._ready:
+            if not self._items:
+                raise EOFError("channel closed")
+            return self._items.popleft()
+
+    def send_bytes(self, buf: bytes) -> None:
+        with self._ready:
+            self._items.append(buf)
+            self._ready.notify()
+
+    def take_all(self) -> list[bytes]:
+        """Every message waiting, after waiting for one; [] once closed and drained."""
+        with self._ready:
+            self._ready.wait_for(lambda: self._items or self._closed)
+            items = list(self._items)
+            self._items.clear()
+            return items
+
+    def close(self) -> None:
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
 
 
 class EngineReplica:
-    """An `AsyncEngine` behind the calls the data-parallel front end makes."""
+    """An engine core behind the calls the data-parallel front end makes."""
 
-    def __init__(self, config: EngineConfig, index: int, num_threads: int,
-                 model_name: str) -> None:
+    def __init__(self, config: EngineConfig, index: int, num_threads: int) -> None:
         # Replicas on one machine split its cores rather than each taking all of them.
         torch.set_num_threads(num_threads)
-        from engine.server import wire_engine_metrics
-
         self.index = index
-        self.engine = AsyncEngine(config)
-        self.registry = CollectorRegistry()
-        self._unwire = wire_engine_metrics(self.engine, self.registry, model_name)
+        self._inputs = QueueChannel()
+        self._outputs = QueueChannel()
+        self._epoch = 0
+        self._next_seq = 0
+        self._held: dict[int, bytes] = {}
+        node = ""
+        try:
+            import ray
 
-    def info(self) -> dict[str, Any]:
-        import ray
+            node = ray.get_runtime_context().get_node_id()
+        except Exception:  # not in a Ray worker (the tests drive it directly too)
+            node = ""
+        self._thread = threading.Thread(target=self._run, args=(config, node), daemon=True,
+                                        name=f"specbudget-replica-{index}")
+        self._thread.start()
 
-        return {"index": self.index, "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id(),
-                "num_threads": torch.get_num_threads()}
+    def _run(self, config: EngineConfig, node: str) -> None:
+        try:
+            run_core(config, self._inputs, self._outputs, node)
+        finally:
+            self._outputs.close()
 
-    def load(self) -> tuple[int, int]:
-        """(waiting, running); raises once the engine died, so the front end sees it."""
-        if not self.engine.is_alive:
-            raise RuntimeError(f"replica {self.index}: engine is dead: {self.engine.dead!r}")
-        return self.engine.load()
+    def push(self, epoch: int, seq: int, data: bytes) -> None:
+        if epoch < self._epoch:
+            return  # meant for a connection that has ended
+        if epoch > self._epoch:
+            self._epoch, self._next_seq, self._held = epoch, 0, {}
+        self._held[seq] = data
+        while self._next_seq in self._held:
+            self._inputs.send_bytes(self._held.pop(self._next_seq))
+            self._next_seq += 1
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, priority: int) -> AsyncIterator[RequestDelta]:
-        async for delta in self.engine.generate(request_id, prompt_token_ids, params,
-                                                priority):
-            yield delta
+    async def outputs(self) -> AsyncIterator[list[bytes]]:
+        loop = asyncio.get_running_loop()
+        while batch := await loop.run_in_executor(None, self._outputs.take_all):
+            yield batch
 
-    def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-
-    def metrics(self) -> list[Metric]:
-        return list(self.registry.collect())
+    def pid(self) -> int:
+        return os.getpid()
 
     def shutdown(self) -> None:
-        self._unwire()
-        self.engine.shutdown()
+        self._inputs.close()

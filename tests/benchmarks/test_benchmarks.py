@@ -173,34 +173,6 @@ def test_scheduler_work_counts_calls_per_request(tmp_path: Path) -> None:
     assert rows["ngram"]["calls_per_running_request"] > rows["off"]["calls_per_running_request"]
 
 
-def test_serve_dp_front_end_share_is_served_over_offline() -> None:
-    from benchmarks.serve_dp import front_end_share
-
-    def run(c: int, tput: float) -> dict:
-        return {"concurrency": c, "ttft_ms": {"p50": 10.0}, "itl_ms": {"p50": 2.0},
-                "output_throughput": tput}
-
-    series = {"one engine": [run(1, 40), run(16, 150)], "Ray N=2": [run(1, 36), run(16, 180)]}
-    offline = [{"concurrency": 1, "output_throughput": 50},
-               {"concurrency": 16, "output_throughput": 200}]
-    share = front_end_share(series, offline)
-    assert share["served_over_offline"] == [0.8, 0.75]
-    assert share["n2_over_one_engine"] == [0.9, 1.2]
-    assert share["ttft_ms_p50"] == {"one engine": [10.0, 10.0], "Ray N=2": [10.0, 10.0]}
-
-
-@pytest.mark.model
-def test_serve_dp_quick_runs_the_servers_in_their_own_processes(tmp_path: Path) -> None:
-    from benchmarks import serve_dp
-
-    report = serve_dp.main(["--quick", "--concurrency", "2", "--num-prompts", "2",
-                            "--max-tokens", "4", "--out", str(tmp_path / "d.json")])
-    assert list(report["series"]) == ["one engine", "Ray N=2"]
-    assert all(runs[0]["completed"] == 2 for runs in report["series"].values())
-    assert report["front_end"]["served_over_offline"][0] > 0
-    assert (tmp_path / "d.png").exists()
-
-
 def test_serve_overhead_summary_takes_medians_per_concurrency() -> None:
     from benchmarks.serve_overhead import summary
 
@@ -221,16 +193,26 @@ def test_serve_overhead_summary_takes_medians_per_concurrency() -> None:
 
 
 @pytest.mark.model
-def test_serve_overhead_quick_serves_both_layouts(tmp_path: Path) -> None:
+def test_serve_overhead_quick_serves_every_layout(tmp_path: Path) -> None:
     from benchmarks import serve_overhead
 
+    layouts = ["in-process", "process", "ray-2"]
     report = serve_overhead.main(["--quick", "--concurrency", "2", "--max-tokens", "4",
+                                  "--layouts", ",".join(layouts),
                                   "--out", str(tmp_path / "o.json")])
     (row,) = report["summary"]
     assert row["offline_tok_s"] > 0
-    for layout in ("in-process", "process"):
+    for layout in layouts:
         assert row[layout]["tok_s"] > 0 and row[layout]["failed"] == 0
     assert (tmp_path / "o.png").exists()
+
+
+def test_serve_overhead_refuses_an_unknown_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import serve_overhead
+
+    with pytest.raises(SystemExit):
+        serve_overhead.main(["--layouts", "process,ray2"])
+    assert "--layouts: unknown ['ray2']" in capsys.readouterr().err
 
 
 @pytest.mark.model

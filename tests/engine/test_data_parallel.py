@@ -21,7 +21,7 @@ import pytest
 import ray
 
 from engine.config import EngineConfig
-from engine.data_parallel import DataParallelEngine
+from engine.data_parallel import DataParallelEngine, _Replica
 from engine.llm import LLM
 from engine.local_server import serve_in_thread
 from engine.routing import ReplicaState
@@ -37,8 +37,7 @@ PROMPTS = [[1, 504, 3303, 314, 2253 + i, 30] for i in range(8)]
 @pytest.fixture(scope="module")
 def dp() -> Iterator[DataParallelEngine]:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    engine = DataParallelEngine(CONFIG, 2, model_name="m", num_threads=1,
-                                health_interval_s=0.2)
+    engine = DataParallelEngine(CONFIG, 2, model_name="m", num_threads=1)
     try:
         engine.wait_ready(timeout=300, every=True)
         yield engine
@@ -137,25 +136,68 @@ def test_killed_replica_loses_no_unstarted_request_and_returns(
 
 
 def test_engine_fault_in_a_replica_is_replaced(dp: DataParallelEngine) -> None:
-    """A replica whose engine died (its process alive) is seen dead, killed and
-    restarted by Ray; meanwhile the other replica serves every request."""
+    """A replica whose engine loop faults (here: a message it cannot decode, its
+    process alive) says why, is killed and restarted by Ray; meanwhile the other
+    replica serves every request."""
     victim, other = dp.replicas[1], dp.replicas[0]
+    _wait_ready(victim)
     old_pid = victim.info["pid"]
-    ray.get(victim.actor.__ray_call__.remote(
-        lambda replica: setattr(replica.engine, "dead", RuntimeError("injected fault"))))
+    victim._push(b"\xc1")  # never valid msgpack
     seen_down = False
     deadline = time.monotonic() + 300
     while not (victim.load.state is ReplicaState.READY and victim.info["pid"] != old_pid):
         assert time.monotonic() < deadline, victim.describe()
         if victim.load.state is not ReplicaState.READY and not seen_down:
             seen_down = True
+            assert "DecodeError" in (victim.error or ""), victim.error
             assert dp.health()[0]  # still serving through the other replica
             routed = other.num_routed
             params = SamplingParams(max_tokens=4, temperature=0.0)
             asyncio.run(_tokens(dp, "during-fault", PROMPTS[0], params))
             assert other.num_routed == routed + 1
-        time.sleep(0.1)
+        time.sleep(0.05)
     assert seen_down
+
+
+def test_a_stream_left_early_is_aborted_in_its_replica(dp: DataParallelEngine) -> None:
+    """A client that leaves after its first delta (a disconnect) stops its request in
+    the replica at once: the replica's next step reports nothing running."""
+    for replica in dp.replicas:
+        _wait_ready(replica)
+
+    async def leave_early() -> None:
+        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        stream = dp.generate("leaver", PROMPTS[1], params)
+        async for _ in stream:
+            break
+        await stream.aclose()  # type: ignore[attr-defined]
+
+    asyncio.run(leave_early())
+    deadline = time.monotonic() + 30
+    while any(r.client.num_open or r.client.snapshot.running for r in dp.replicas):
+        assert time.monotonic() < deadline, [r.describe() for r in dp.replicas]
+        time.sleep(0.05)
+    served = [r.client.snapshot.stats.num_steps for r in dp.replicas]
+    assert max(served) < 100  # stopped long before its 400 tokens
+
+
+def test_settings_a_replica_refuses_raise_at_start(dp: DataParallelEngine) -> None:
+    """An engine that cannot hold one request is refused with the engine's own
+    words, once, not restarted forever."""
+    tiny = EngineConfig(max_num_seqs=4, max_model_len=512, num_kv_blocks=2)
+    with pytest.raises(ValueError, match="max_model_len"):
+        refused = DataParallelEngine(tiny, 2, num_threads=1)
+        try:
+            refused.wait_ready(timeout=120)
+        finally:
+            refused.shutdown()
+
+
+def _wait_ready(replica: _Replica) -> None:
+    deadline = time.monotonic() + 300
+    while replica.load.state is not ReplicaState.READY:
+        assert time.monotonic() < deadline, replica.describe()
+        time.sleep(0.1)
 
 
 def test_a_refused_request_gets_the_replicas_own_error(dp: DataParallelEngine) -> None:
@@ -173,10 +215,7 @@ def test_killed_replica_loses_no_non_streamed_request(dp: DataParallelEngine) ->
     costs a re-send, and greedy requests return exactly what one engine returns
     (before buffering, 8 of 16 got an error)."""
     for replica in dp.replicas:  # the previous test's victim must be back
-        deadline = time.monotonic() + 300
-        while replica.load.state is not ReplicaState.READY:
-            assert time.monotonic() < deadline, replica.describe()
-            time.sleep(0.2)
+        _wait_ready(replica)
     victim = dp.replicas[1]
     old_pid = victim.info["pid"]
     resent_before = dp.num_resent
@@ -197,7 +236,7 @@ def test_killed_replica_loses_no_non_streamed_request(dp: DataParallelEngine) ->
         for t in threads:
             t.start()
         deadline = time.monotonic() + 120
-        while victim.load.running == 0 and time.monotonic() < deadline:
+        while victim.client.snapshot.running == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(1.0)  # midway through its requests
         os.kill(old_pid, signal.SIGKILL)
