@@ -23,8 +23,6 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator
 
-import torch
-
 from engine.config import EngineConfig
 from engine.core_process import run_core
 
@@ -71,6 +69,8 @@ class EngineReplica:
     """An engine core behind the calls the data-parallel front end makes."""
 
     def __init__(self, config: EngineConfig, index: int, num_threads: int) -> None:
+        import torch  # here: the front end imports this file, and never needs torch
+
         # Replicas on one machine split its cores rather than each taking all of them.
         torch.set_num_threads(num_threads)
         self.index = index

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from runner.dtype import DtypeChoice, resolve_dtype
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# By name: the API process reads this config and must not pay for importing torch.
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,10 @@ class RunnerConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype_choice.dtype]
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype_choice.dtype)
+        return dtype
 
     @property
     def backend_name(self) -> str:
@@ -71,5 +77,7 @@ class RunnerConfig:
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                        dtype: torch.dtype) -> int:
     """K and V for one block of every layer."""
+    import torch
+
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element

@@ -64,7 +64,7 @@ def _adopt_model_dtype(config: RunnerConfig, model: LlamaForCausalLM) -> RunnerC
     dtype = model.lm_head.weight.dtype
     if dtype == config.torch_dtype:
         return config
-    name = next(key for key, value in DTYPES.items() if value == dtype)
+    name = next(key for key in DTYPES if getattr(torch, key) == dtype)
     if config.dtype == "auto":
         return replace(config, dtype=name)
     if config.dtype != name:

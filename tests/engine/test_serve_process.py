@@ -173,9 +173,16 @@ def test_the_engine_runs_in_a_child_process_of_the_server() -> None:
         with open(f"/proc/{pid}/stat") as stat:
             assert int(stat.read().rsplit(")", 1)[1].split()[1]) == proc.pid  # its parent
         assert httpx.post(base + C, json={**LONG, "max_tokens": 4}, timeout=60).status_code == 200
+        # The API process serves without torch (its import is ~1.3 s and ~0.3 GB here).
+        assert maps_torch(pid) and not maps_torch(proc.pid)
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
         assert wait_gone(pid, 5), "the engine process outlived the server"
+
+
+def maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as maps:
+        return "libtorch" in maps.read()
 
 
 def test_an_engine_killed_under_32_streams_ends_them_all_and_comes_back() -> None:
