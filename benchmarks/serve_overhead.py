@@ -71,16 +71,21 @@ def offline_run(prompts: list[str], cfg: bench.LoadConfig, args: dict[str, Any]
 
 def summary(offline: list[dict[str, Any]], served: dict[str, list[list[dict[str, Any]]]],
             concurrencies: list[int]) -> list[dict[str, Any]]:
-    """Per concurrency: medians over repeats of each series, and served ÷ offline."""
+    """Per concurrency: medians over repeats of each series, and served ÷ offline as the
+    median of each repeat's own ratio (offline and served run back to back within a
+    repeat, so a drift of the machine between repeats falls on both)."""
     rows = []
     for i, c in enumerate(concurrencies):
-        cap = statistics.median(r["output_throughput"] for r in offline[i::len(concurrencies)])
+        caps = [r["output_throughput"] for r in offline[i::len(concurrencies)]]
+        cap = statistics.median(caps)
         row: dict[str, Any] = {"concurrency": c, "offline_tok_s": round(cap, 1)}
         for layout, repeats in served.items():
             runs = [rep[i] for rep in repeats]
             tok_s = statistics.median(r["output_throughput"] for r in runs)
+            paired = statistics.median(r["output_throughput"] / o for r, o in zip(runs, caps))
             row[layout] = {
-                "tok_s": round(tok_s, 1), "served_over_offline": round(tok_s / cap, 3),
+                "tok_s": round(tok_s, 1), "served_over_offline": round(paired, 3),
+                "ratio_of_medians": round(tok_s / cap, 3),
                 **{f"{m}_{p}_ms": round(statistics.median(r[f"{m}_ms"][p] for r in runs), 2)
                    for m in ("ttft", "itl") for p in ("p50", "p99")},
                 "failed": sum(r["failed"] for r in runs)}

@@ -187,8 +187,11 @@ def test_serve_overhead_summary_takes_medians_per_concurrency() -> None:
     rows = summary(offline, served, [1, 16])
     assert [r["offline_tok_s"] for r in rows] == [55, 390]
     assert rows[0]["in-process"]["tok_s"] == 25 and rows[1]["process"]["tok_s"] == 370
-    assert rows[0]["process"]["served_over_offline"] == round(55 / 55, 3)
-    assert rows[1]["in-process"]["served_over_offline"] == round(200 / 390, 3)
+    # Each repeat's own ratio, then their median: 55/50, 60/60, 50/55 -> 1.0.
+    assert rows[0]["process"]["served_over_offline"] == 1.0
+    # 200/400, 190/380, 210/390 -> 0.5; the ratio of the medians would be 200/390.
+    assert rows[1]["in-process"]["served_over_offline"] == 0.5
+    assert rows[1]["in-process"]["ratio_of_medians"] == round(200 / 390, 3)
     assert rows[0]["process"]["ttft_p50_ms"] == 10.0  # the median of 5, 10, 10
 
 
