@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -297,7 +298,10 @@ def train_head(head: Eagle3Head, data: Batch, config: TrainConfig,
         # The noise too comes from (seed, update) alone: a resumed run draws the same.
         noise_rng = torch.Generator().manual_seed(config.seed * 1_000_003 + update + 1)
         with torch.autocast(hidden_device(head).type, dtype=torch.bfloat16,
-                            enabled=config.autocast_bf16):
+                            enabled=config.autocast_bf16), warnings.catch_warnings():
+            # Autocast hands the head's RMSNorm bf16 input beside its float32 weight;
+            # torch then normalises unfused (in float32, correct) and says so.
+            warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
             loss, accs = unrolled_loss(head, select(data, index), config.depth,
                                        train_layout(config.method), noise=config.noise,
                                        generator=noise_rng)

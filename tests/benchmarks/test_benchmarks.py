@@ -96,6 +96,18 @@ def test_spec_decode_rotates_its_passes() -> None:
     assert pass_order(5, 0, 1) == [0, 1, 2, 3, 4]
 
 
+def test_spec_decode_pairs_each_pass_with_off_in_the_same_pass() -> None:
+    """A slow pass slows both: the pass's own ratios decide, not the medians'."""
+    from benchmarks.spec_decode import paired_speedup
+
+    off = [{"tokens_per_s": t} for t in (400.0, 300.0, 420.0)]
+    spec = [{"tokens_per_s": t} for t in (380.0, 290.0, 300.0)]  # pass 3 ran slow for it
+    # Ratios 0.95, 0.967, 0.714: median 0.95; the medians' ratio would say 300/400 = 0.75.
+    assert paired_speedup(spec, off) == 0.95
+    with pytest.raises(ValueError):  # a run lost from one side is an error, not a shift
+        paired_speedup(spec[:2], off)
+
+
 @pytest.mark.model
 def test_throttle_e2e_quick(tmp_path: Path) -> None:
     """The real model under each rule with the goodput policy and ours with the fixed
