@@ -244,7 +244,7 @@ class Scheduler:
         s = c.num_spec  # verified next if the whole chunk fits (the bulk plan's case)
         rule_k = self.rule.k(c.num_tokens, c.num_output, c.max_tokens, s)
         return self.policy.caps(c.verifications, c.first_accepted, c.last_outcome, rule_k,
-                                c.behind)
+                                c.behind, closed=not self.waiting)
 
     def _num_blocks(self, request: Request) -> int:
         return len(self.kv.req_blocks.get(request.request_id, ()))

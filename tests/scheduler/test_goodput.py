@@ -285,13 +285,14 @@ def test_cheap_prefill_rows_do_not_make_verification_rows_look_cheap() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(rule_k=st.lists(st.integers(0, K), min_size=1, max_size=20),
-       reached=st.integers(0, 100), share=st.floats(0, 1), per_row=st.floats(0, 0.01))
+       reached=st.integers(0, 100), share=st.floats(0, 1), per_row=st.floats(0, 0.01),
+       closed=st.booleans())
 def test_caps_never_exceed_the_rule(rule_k: list[int], reached: int, share: float,
-                                    per_row: float) -> None:
-    gp = policy("dflash", 0.02, per_row, acceptance=0.7)
+                                    per_row: float, closed: bool) -> None:
+    gp = policy("dflash", 0.02, per_row, acceptance=0.7, uniform_when_closed=True)
     num = len(rule_k)
     got = gp.caps(history([reached] * num), np.full(num, int(reached * share)),
-                  np.zeros(num, dtype=int), np.array(rule_k))
+                  np.zeros(num, dtype=int), np.array(rule_k), closed=closed)
     assert (got <= np.array(rule_k)).all() and (got >= 0).all()
 
 
@@ -405,10 +406,56 @@ def test_a_policy_asking_past_the_rule_is_held_to_it(monkeypatch: pytest.MonkeyP
     """Broken on purpose: caps far above K. The scheduler takes min(rule, cap), so the
     strict runner (which re-derives the rule) accepts every step and drains."""
     monkeypatch.setattr(GoodputPolicy, "caps",
-                        lambda self, reached, accepted, states, rule_k, behind=None:
-                        np.full(len(rule_k), 99))
+                        lambda self, reached, accepted, states, rule_k, behind=None,
+                        closed=False: np.full(len(rule_k), 99))
     sched = make_scheduler("pard", k=K, budget=64, max_model_len=48, draft_policy="goodput")
     runner = SimulatedRunner(sched, acceptance=1.0, seed=0)
     sched.add_request(make_request("r", 10, max_tokens=60, ignore_eos=True))
     drain(sched, runner)
     assert sched.stats.goodput.chosen_k[K] > 0  # it did draft K where the rule allowed
+
+
+def test_with_nothing_waiting_every_request_gets_one_k() -> None:
+    """Per request, drafts go to the requests rated highest; with nothing waiting and
+    `uniform_when_closed`, one k for all (each cut to its rule), and 0 for all where
+    the model predicts a loss."""
+    gp = policy("ngram", 0.02, 0.001, acceptance=0.5, uniform_when_closed=True)
+    mixed = (history([200, 200, 0]), np.array([0, 195, 0]), np.zeros(3, dtype=int))
+    per_request = gp.caps(*mixed, np.full(3, K))
+    assert len(set(per_request.tolist())) > 1  # the open case: per request
+    uniform = gp.caps(*mixed, np.full(3, K), closed=True)
+    assert len(set(uniform.tolist())) == 1 and uniform[0] > 0
+    assert gp.new_request_cap == uniform[0]
+    cut = gp.caps(*mixed, np.array([K, 1, 0]), closed=True)  # the rule still cuts
+    one = int(cut.max())
+    assert one > 0 and cut.tolist() == [min(limit, one) for limit in (K, 1, 0)]
+    losing = policy("ngram", 0.001, 0.01, acceptance=0.2, uniform_when_closed=True)
+    assert losing.caps(history([50] * 8), np.full(8, 10), np.zeros(8, dtype=int),
+                       np.full(8, K), closed=True).tolist() == [0] * 8
+
+
+def test_the_uniform_k_is_the_best_of_every_k_under_the_model() -> None:
+    """The chosen k makes the most tokens per predicted second of all k in 0..K (a
+    brute force over the same model: drafts, verification rows, drafter passes)."""
+    gp = policy("dflash", 0.02, 0.0005, acceptance=0.6, uniform_when_closed=True)
+    num = 6
+    verifications = history([30] * num)
+    first = np.array([5, 10, 15, 20, 25, 28])
+    states = np.zeros(num, dtype=int)
+    got = gp.caps(verifications, first, states, np.full(num, K), closed=True)
+    gains = np.minimum(np.cumprod(gp.acceptance.request_rates(verifications, first, states),
+                                  axis=1) * gp.check.factor, 0.99)
+
+    def rate(k: int) -> float:
+        rows = num + num * int(gp.costs.target[:k].sum())
+        drafter = num * (gp.costs.drafter_base + int(gp.costs.drafter[:k].sum()))
+        passes = gp.costs.passes_base + gp.costs.passes_drafting * (k > 0)
+        base = gp.time_model.predict_optimistic(
+            np.array([num, rows]), np.array([num, rows]),
+            np.array([num * gp.costs.drafter_base, drafter]),
+            np.array([gp.costs.passes_base, passes]))
+        seconds = max(base[1], base[0]) if k else base[0]
+        return (num + float(gains[:, :k].sum())) / seconds
+
+    best = max(range(K + 1), key=rate)
+    assert got.tolist() == [best] * num
