@@ -116,7 +116,7 @@ def test_a_token_outside_the_draft_vocabulary_is_a_miss_not_skipped(
     assert accs[0][1] == scored  # the same rows scored, none of them hits
     # Soft targets: the target's distribution over the draft vocabulary still teaches
     # there (the greedy token is missing, the rest of the mass is not).
-    assert float(unrolled_loss(head, replace(soft, labels=missing.labels), 2)[0]) > 0.0
+    assert float(unrolled_loss(head, replace(soft, labels=missing.labels), 2)[0].detach()) > 0.0
 
 
 def test_training_is_deterministic_and_resumes(data: tuple[Batch, Batch, torch.Tensor],
