@@ -173,8 +173,16 @@ class DataParallelEngine:
             try:
                 stream = replica.actor.outputs.options(num_returns="streaming").remote()
                 for ref in stream:
-                    for data in ray.get(ref):
-                        failed = self._on_message(replica, data) or failed
+                    batch = ray.get(ref)
+                    try:
+                        for data in batch:
+                            failed = self._on_message(replica, data) or failed
+                    except Exception:  # ours: the replica is useless without its reader
+                        logger.exception("failed handling replica %d's output; replacing it",
+                                         replica.load.index)
+                        failed = Failed("RuntimeError",
+                                        "the front end failed handling the replica's output")
+                        break
             except Exception as err:  # its process died: RayActorError, or
                 broken = True  # ActorUnavailableError while Ray restarts it
                 failed = failed or Failed(type(err).__name__, "the replica's process died")

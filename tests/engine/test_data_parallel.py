@@ -13,7 +13,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
@@ -157,6 +157,52 @@ def test_engine_fault_in_a_replica_is_replaced(dp: DataParallelEngine) -> None:
             assert other.num_routed == routed + 1
         time.sleep(0.05)
     assert seen_down
+
+
+def test_a_fault_handling_a_replicas_output_replaces_it_and_loses_nothing(
+        dp: DataParallelEngine) -> None:
+    """A fault on the front end's side (here a metrics hook that raises once) leaves
+    that replica without a reader: it is killed and restarted, and a non-streamed
+    request it held is sent to the other replica and returns what one engine does."""
+    for replica in dp.replicas:
+        _wait_ready(replica)
+    pids = [r.info["pid"] for r in dp.replicas]
+    raised: list[int] = []
+
+    def hook_for(index: int) -> Callable[..., None]:
+        def hook(*_: object) -> None:
+            if not raised:
+                raised.append(index)
+                raise RuntimeError("injected fault in the front end")
+        return hook
+
+    hooks = [hook_for(r.load.index) for r in dp.replicas]
+    for replica, hook in zip(dp.replicas, hooks):
+        replica.client.on_step.append(hook)
+    resent = dp.num_resent
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+
+    async def buffered() -> list[int]:
+        out: list[int] = []
+        async for delta in dp.generate("hooked", PROMPTS[2], params, buffered=True):
+            out.extend(delta.new_token_ids)
+        return out
+
+    try:
+        tokens = asyncio.run(buffered())
+    finally:
+        for replica, hook in zip(dp.replicas, hooks):
+            replica.client.on_step.remove(hook)
+    assert raised and dp.num_resent == resent + 1
+    victim = dp.replicas[raised[0]]
+    assert "failed handling" in (victim.error or ""), victim.describe()
+    single = asyncio.run(_tokens(dp, "again", PROMPTS[2], params))
+    assert tokens == single
+    deadline = time.monotonic() + 300
+    while not (victim.load.state is ReplicaState.READY
+               and victim.info["pid"] != pids[raised[0]]):
+        assert time.monotonic() < deadline, victim.describe()
+        time.sleep(0.1)
 
 
 def test_a_stream_left_early_is_aborted_in_its_replica(dp: DataParallelEngine) -> None:
