@@ -18,7 +18,6 @@ runs on a thread, and the actor only carries its messages (engine/ipc.py):
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
@@ -110,9 +109,3 @@ class EngineReplica:
         loop = asyncio.get_running_loop()
         while batch := await loop.run_in_executor(None, self._outputs.take_all):
             yield batch
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def shutdown(self) -> None:
-        self._inputs.close()

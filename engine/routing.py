@@ -1,8 +1,8 @@
 """Which data-parallel replica takes a request: pure, so it is tested without Ray.
 
-vLLM's data-parallel rule: the least loaded replica by `4 * waiting + running`, where
-a request sent since the replica last reported counts as waiting. Ties go by
-prefix-cache affinity: a hash of the prompt's first KV block ranks the tied replicas
+vLLM's data-parallel rule: the least loaded replica by `4 * waiting + running` (the
+front end counts its own requests in flight there, so one sent a moment ago counts).
+Ties go by prefix-cache affinity: a hash of the prompt's first KV block ranks the tied replicas
 (rendezvous hashing), so prompts that share a first block keep landing on the same
 replica, where its blocks are cached, while the set of tied replicas changes.
 """
@@ -27,13 +27,12 @@ class ReplicaLoad:
 
     index: int
     state: ReplicaState = ReplicaState.STARTING
-    waiting: int = 0  # as last reported
+    waiting: int = 0
     running: int = 0
-    sent: int = 0  # requests sent since that report
 
     @property
     def score(self) -> int:
-        return 4 * (self.waiting + self.sent) + self.running
+        return 4 * self.waiting + self.running
 
 
 def first_block_key(prompt_token_ids: list[int], block_size: int) -> bytes:

@@ -18,7 +18,7 @@ def test_least_loaded_by_four_waiting_plus_running() -> None:
     # Scores 4*1 + 0 = 4, 4*0 + 5 = 5, 4*0 + 3 = 3.
     loads = _loads((1, 0), (0, 5), (0, 3))
     assert pick_replica(loads, [1, 2, 3], 16).index == 2  # type: ignore[union-attr]
-    loads[2].sent = 1  # a request sent since its last report counts as waiting: 7
+    loads[2].waiting = 1  # one more waiting there: 4 * 1 + 3 = 7
     assert pick_replica(loads, [1, 2, 3], 16).index == 0  # type: ignore[union-attr]
 
 
