@@ -62,3 +62,32 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.block_size must be >= 1 (got {self.block_size})")
         if self.num_blocks < 1:
             raise ValueError(f"CacheConfig.num_blocks must be >= 1 (got {self.num_blocks})")
+
+
+@dataclass(frozen=True)
+class GoodputSettings:
+    """The policy's knobs; the defaults serve, tests pin them."""
+
+    prior_acceptance: float = 0.5  # per reached draft, before any verification
+    prior_weight: float = 8.0  # pseudo-observations behind that prior
+    request_weight: float = 4.0  # a request's own history counts after this many
+    # Of the global counts, per verification recorded (not per step: at one request a
+    # step verifies at most once, at 64 sixty-four times; the window is ~1,000 either way).
+    decay: float = 0.999
+    explore: float = 0.2  # optimism for a request with no history, ~ 1 / (1 + seen)
+    forgetting: float = 0.995  # of the step-time fit's data, per observed step
+    # Standard deviations by which the time model's price of extra rows is taken low
+    # (exploration: an operating point never left teaches no slope; without it, ngram
+    # at one request stopped drafting on the prior's price of a row and ran at 0.90x
+    # speculation off, against 1.54x with it, measured) ...
+    optimism: float = 1.0
+    # ... but never below this share of their mean price: the fit forgets, so its
+    # spread regrows while nobody drafts, and at 64 running an unbounded discount had
+    # dflash draft all 34 requests at a forecast first-draft acceptance of 0.15 every
+    # ~10 steps to the end (measured).
+    optimism_floor: float = 0.5
+    # Drafts behind the forecast check's prior (that forecasts are right).
+    forecast_weight: float = 16.0
+    # With nothing waiting and nobody to join (`closed`), plan k to finish the batch
+    # soonest (scheduler/finish_plan.py) instead of per step.
+    finish_when_closed: bool = True

@@ -67,6 +67,10 @@ class Scheduler:
         self._logit_rows = self._drafter_passes = 0
         self._step_record: StepRecord | None = None  # built on the first step
         self._finished_since_last_step: set[str] = set()
+        # Set by a caller that holds every request it will add (offline `generate`):
+        # once nothing waits, the batch only drains, and the goodput policy plans k to
+        # finish it soonest. A server never knows that, so it stays False there.
+        self.arrivals_closed = False
 
     # ---- requests in and out -------------------------------------------------
 
@@ -243,8 +247,12 @@ class Scheduler:
         c = counters
         s = c.num_spec  # verified next if the whole chunk fits (the bulk plan's case)
         rule_k = self.rule.k(c.num_tokens, c.num_output, c.max_tokens, s)
+        remaining = None
+        if self.arrivals_closed and not self.waiting:  # a closed batch: what each may make
+            room = self.config.max_model_len - c.num_tokens
+            remaining = np.minimum(c.max_tokens - c.num_output, room)
         return self.policy.caps(c.verifications, c.first_accepted, c.last_outcome, rule_k,
-                                c.behind, closed=not self.waiting)
+                                c.behind, remaining=remaining)
 
     def _num_blocks(self, request: Request) -> int:
         return len(self.kv.req_blocks.get(request.request_id, ()))

@@ -148,6 +148,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self) -> None:
         self._step()
 
+    @rule(closed=st.booleans())
+    def close_arrivals(self, closed: bool) -> None:
+        """An offline caller says nobody joins (goodput then plans to finish the batch);
+        the state machine adds requests anyway: the flag steers k, never the invariants."""
+        self.sched.arrivals_closed = closed
+
     @precondition(lambda self: bool(self._abortable()))
     @rule(data=st.data())
     def abort_mid_step(self, data: st.DataObject) -> None:

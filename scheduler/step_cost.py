@@ -1,0 +1,216 @@
+"""What a step costs: the goodput policy's step-time model and the rows each draft adds.
+
+`StepTimeModel`: the seconds of a step as a function of its target rows, how many of
+them give logits, its drafter rows and drafter passes (affine, with hinges where the
+forward turns compute-bound), fitted as a ridge regression toward a prior by drafter
+kind on the step times the runner reports, older steps weighing less, no cost below
+zero; rows never tried are priced optimistically, so the policy tries them.
+`DraftCosts`: the rows the j-th draft of a request adds to each pass, from the rule's
+cost table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from scheduler.budget import ThrottleRule
+from scheduler.config import GoodputSettings
+
+# Where the hinges of the step-time model sit, in rows that give logits: past each, a
+# pass is more bound by compute than by reading the weights.
+KNOTS = (16, 64, 256)
+# Prior step-time parameters (seconds) by drafter kind. The target's: a constant, per
+# row that gives no logits (a prefill row), per row that gives logits (a verified
+# draft's row, a sampling chunk's last row: the LM head, sampling and attention over
+# the whole context; priced apart, or cheap prefill rows would price a verification row
+# low) and the change of that slope past each knot. A drafter's: per forward pass (its
+# launch, whatever its rows), per row, and past each knot. The target's are rounded
+# from a fit to 750 steps of the default model in bfloat16 on this project's 2-core
+# CPU, ngram K = 4 at 1, 4, 16 and 64 requests (a verification row ~0.9 ms at every
+# batch size: the fit's changes of slope were within its noise); the fit replaces them
+# wherever rows vary.
+_TARGET_PRIOR = (0.016, 0.0006, 0.0009, 0.0, 0.0, 0.0)
+_DRAFTER_PRIOR = {"lookup": (0.0,) * 5,
+                  "head": (0.002, 0.00002, 0.00002, 0.00002, 0.0),
+                  "lm": (0.016, 0.001, 0.0004, 0.0, 0.0)}  # a pass like the target's
+# How much the prior weighs, in steps of 64 rows (pseudo-observations as noisy as a
+# real step): little for the constants and base slopes (the data soon decides them),
+# more for the changes of slope at the knots, so rows past a knot no step has reached
+# are priced by the slope below it (plus the prior's change), not by a fit through
+# collinear hinges.
+_REFERENCE_ROWS = 64
+# Coefficients that are costs, never negative: the constant, the target's slopes per
+# row, the drafter's per pass and per row (the changes of slope past a knot may be).
+_NONNEGATIVE = (0, 1, 2, 6, 7)
+_PRIOR_STEPS_BASE, _PRIOR_STEPS_KNOT = 0.01, 4.0
+# ... but a few steps behind a head's price per pass: steps that run a drafter pass
+# also have its rows, so the data alone tell the two apart only slowly, and drafting
+# the whole batch is decided on them (measured: parallel at 16 running, from two
+# drafting steps the fit priced its pass at 0 and drafting for all looked free). A
+# head's pass is a layer or two, priced from measurement; a draft LM's is whatever
+# model the user drafts with, so its prior yields to the data at once.
+_PRIOR_STEPS_HEAD_PASS = 2.0
+
+
+def _prior_precision(drafter_kind: str) -> np.ndarray:
+    """Diagonal prior precision, in the units of the fit (seconds, rows)."""
+    base, knot = _PRIOR_STEPS_BASE, _PRIOR_STEPS_KNOT
+    drafting = _PRIOR_STEPS_HEAD_PASS if drafter_kind == "head" else base
+    rows = float(_REFERENCE_ROWS) ** 2
+    hinges = [knot * rows] * len(KNOTS)
+    target = [base, base * rows, base * rows, *hinges]
+    drafter = [drafting, base * rows, *hinges]
+    return np.diag(np.array(target + drafter))
+
+
+class StepTimeModel:
+    """Seconds of a step from its target rows t, the l of them that give logits, its
+    drafter rows d (all drafter passes and one-row steps together) and the p drafter
+    forward passes they took: a constant, t - l, l, (l - knot)+, p, d, (d - knot)+.
+
+    Fitted as a ridge regression toward the prior for the method's drafter kind, on the
+    observed steps weighted by `forgetting` per step since. Only the data is forgotten,
+    never the prior: recursive least squares with forgetting lets the variance of a
+    direction no step excites grow without bound (a decode-only stretch never moves the
+    rows past a knot), and the next prefill then swings that slope on one noisy step."""
+
+    def __init__(self, drafter_kind: str | None, settings: GoodputSettings) -> None:
+        drafter = _DRAFTER_PRIOR.get(drafter_kind or "lookup", _DRAFTER_PRIOR["lm"])
+        self.prior = np.array(_TARGET_PRIOR + drafter, dtype=float)
+        self.prior_precision = _prior_precision(drafter_kind or "lookup")
+        self._prior_moment = self.prior_precision @ self.prior
+        self.gram = np.zeros((len(self.prior), len(self.prior)))  # decayed sum of x x'
+        self.moment = np.zeros(len(self.prior))  # decayed sum of x * seconds
+        self.theta = self.prior.copy()
+        self.cov = np.linalg.inv(self.prior_precision)  # of theta, in units of noise_var
+        self.noise_var = 1e-6  # of one step's time around the fit (s^2): ~1 ms to start
+        self.forgetting = settings.forgetting
+        self.optimism = settings.optimism
+        self.optimism_floor = settings.optimism_floor
+        self.num_observed = 0
+
+    @staticmethod
+    def features(target: np.ndarray, logits: np.ndarray, drafter: np.ndarray,
+                 passes: np.ndarray) -> np.ndarray:
+        t, d = np.asarray(target, dtype=float), np.asarray(drafter, dtype=float)
+        lg = np.asarray(logits, dtype=float) + np.zeros_like(t)
+        p = np.asarray(passes, dtype=float) + np.zeros_like(t)
+        cols = [np.ones_like(t), t - lg, lg, *(np.maximum(lg - knot, 0.0) for knot in KNOTS),
+                p, d, *(np.maximum(d - knot, 0.0) for knot in KNOTS)]
+        return np.stack(cols, axis=-1)
+
+    @staticmethod
+    def features_one(target: int, logits: int, drafter: int, passes: int) -> np.ndarray:
+        """`features` of one step, without numpy's per-call cost on eleven tiny columns."""
+        return np.array([1.0, target - logits, logits,
+                         *(max(logits - knot, 0) for knot in KNOTS), passes, drafter,
+                         *(max(drafter - knot, 0) for knot in KNOTS)], dtype=float)
+
+    def predict(self, target: np.ndarray | int, logits: np.ndarray | int,
+                drafter: np.ndarray | int, passes: np.ndarray | int) -> np.ndarray:
+        """Seconds (>= 1 microsecond) for each (target, logit, drafter rows, drafter
+        passes) count."""
+        return np.maximum(self.features(np.asarray(target), np.asarray(logits),
+                                        np.asarray(drafter), np.asarray(passes))
+                          @ self.theta, 1e-6)
+
+    def predict_one(self, target: int, logits: int, drafter: int, passes: int) -> float:
+        return max(float(self.features_one(target, logits, drafter, passes) @ self.theta),
+                   1e-6)
+
+    def predict_optimistic(self, target: np.ndarray, logits: np.ndarray,
+                           drafter: np.ndarray, passes: np.ndarray) -> np.ndarray:
+        """Seconds of each step, the first the base: what each adds to the base is
+        predicted `optimism` standard deviations low (never below `optimism_floor` of
+        its mean). Where no step
+        has varied the rows (a batch that never drafts keeps one operating point), the
+        slope is unknown and the extra rows look cheap, so the policy tries them and
+        measures; once measured, the deviation is small and the mean decides."""
+        x = self.features(target, logits, drafter, passes)
+        mean = x @ self.theta
+        extra = x - x[0]
+        spread = np.sqrt(self.noise_var * ((extra @ self.cov) * extra).sum(axis=1))
+        extra_mean = np.maximum(mean - mean[0], 0.0)
+        added = np.maximum(extra_mean - self.optimism * spread,
+                           self.optimism_floor * extra_mean)
+        return np.maximum(mean[0] + added, 1e-6)
+
+    def observe(self, target: int, logits: int, drafter: int, passes: int,
+                seconds: float) -> None:
+        x = self.features_one(target, logits, drafter, passes)
+        residual = seconds - float(x @ self.theta)
+        # The noise is learnt from the residuals before each update, so a step the fit
+        # has seen does not make the noise look smaller than it is.
+        self.noise_var += (1.0 - self.forgetting) * (residual * residual - self.noise_var)
+        self.gram *= self.forgetting
+        self.gram += np.outer(x, x)
+        self.moment *= self.forgetting
+        self.moment += x * seconds
+        self.cov = np.linalg.inv(self.prior_precision + self.gram)
+        self.theta = self._fit(self.prior_precision + self.gram,
+                               self._prior_moment + self.moment)
+        self.num_observed += 1
+
+    def _fit(self, precision: np.ndarray, moment: np.ndarray) -> np.ndarray:
+        """The ridge solution with no negative cost: a coefficient of `_NONNEGATIVE`
+        the solution puts below 0 is held at 0 and the rest refitted (an active set,
+        at most one round per such coefficient). Where few steps differ in one feature
+        alone (steps that run a drafter pass also have its rows), the unconstrained fit
+        traded a negative pass for a dear row (measured: parallel at 16 running, pass
+        -10 ms, row 0.15 ms), and drafting the whole batch looked cheaper than not."""
+        theta = self.cov @ moment
+        free = np.ones(len(theta), dtype=bool)
+        for _ in _NONNEGATIVE:
+            negative = [i for i in _NONNEGATIVE if free[i] and theta[i] < 0.0]
+            if not negative:
+                break
+            free[negative] = False
+            theta = np.zeros_like(theta)
+            theta[free] = np.linalg.solve(precision[np.ix_(free, free)], moment[free])
+        return theta
+
+
+@dataclass(frozen=True)
+class DraftCosts:
+    """Rows the j-th draft of a request adds per step, in steady state (j = 1..K):
+    `target[j - 1]` (1: its verification) and `drafter[j - 1]` (all drafter passes and
+    one-row steps), and the drafter rows a request puts in with k = 0. Also the drafter
+    forward passes a step runs: `passes_base` while its requests draft nothing (dflash:
+    the context pass), `passes_drafting` more once any drafts (dflash: the query pass),
+    and for a sequential method one more one-row step per draft past the first of the
+    deepest request. A pass costs its launch whatever its rows, so one request drafting
+    alone can cost a whole pass."""
+
+    target: np.ndarray
+    drafter: np.ndarray
+    drafter_base: int
+    passes_base: int = 0
+    passes_drafting: int = 0
+    sequential: bool = False
+
+    @classmethod
+    def for_rule(cls, rule: ThrottleRule) -> DraftCosts:
+        ks = range(rule.max_k + 1)
+        # A decoding request proposing k verifies k next step: its chunk is 1 + k.
+        rows = np.array([rule.plan(1 + k, k, k).rows for k in ks], dtype=np.int64)
+        target, drafter = rows[:, 0], rows[:, 1:].sum(axis=1)
+        method = rule.method
+        sequential = method is not None and method.sequential
+        if sequential:  # k - 1 one-row steps
+            drafter = drafter + np.maximum(np.arange(rule.max_k + 1) - 1, 0)
+        passes = (rows[:, 1:] > 0).sum(axis=1)
+        drafting = int(passes[1] - passes[0]) if rule.max_k else 0
+        return cls(np.diff(target), np.diff(drafter), int(drafter[0]), int(passes[0]),
+                   drafting, sequential)
+
+    def passes(self, num_sampling: int, draft_index: np.ndarray) -> np.ndarray:
+        """Drafter passes of the step after each prefix of drafts (the first entry: no
+        draft), `draft_index` the 0-based index in its request of each draft added."""
+        base = self.passes_base if num_sampling else 0
+        any_draft = np.concatenate([[0], np.ones(len(draft_index), dtype=np.int64)])
+        got = base + self.passes_drafting * any_draft
+        if self.sequential:
+            got = got + np.concatenate([[0], np.maximum.accumulate(draft_index)])
+        return got

@@ -1,0 +1,154 @@
+"""The goodput policy's plan for a closed batch (nothing waits, nobody joins): k chosen
+to finish every running request soonest. Seeded clocks and estimates, as in
+test_goodput.py; the reference timings below are computed independently of
+scheduler/finish_plan.py."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.simulate import synthetic_step_time
+from runner.simulated import SimulatedRunner
+from scheduler.finish_plan import finish_caps
+from scheduler.goodput import GoodputPolicy
+from tests.helpers import make_request, make_scheduler, run_step
+from tests.scheduler.test_goodput import K, history, policy
+
+
+def closed_caps(gp: GoodputPolicy, remaining: list[int], reached: int = 40,
+                accepted: int = 24) -> np.ndarray:
+    num = len(remaining)
+    return gp.caps(history([reached] * num), np.full(num, accepted), np.zeros(num, dtype=int),
+                   np.full(num, K), remaining=np.array(remaining))
+
+
+def test_a_closed_batch_drafts_only_for_the_request_it_waits_for() -> None:
+    """Rows cheap, drafts accepted: per step every request drafts. A closed batch waits
+    for its one long request; the seven short ones finish first whatever they draft, so
+    only the long one drafts."""
+    gp = policy("ngram", 0.02, 0.0005, acceptance=0.6)
+    num = 8
+    open_caps = gp.caps(history([40] * num), np.full(num, 24), np.zeros(num, dtype=int),
+                        np.full(num, K))
+    assert (open_caps > 0).all()
+    got = closed_caps(gp, [64] + [8] * (num - 1))
+    assert got[0] > 0 and got[1:].tolist() == [0] * (num - 1)
+
+
+def test_a_closed_batch_in_lockstep_drafts_where_it_pays_and_nowhere_else() -> None:
+    """Every request as long as the others: all draft where rows are cheap and drafts
+    accepted; none where a row costs half a pass and drafts are mostly rejected."""
+    cheap = closed_caps(policy("ngram", 0.02, 0.0005, acceptance=0.7), [48] * 6)
+    assert (cheap > 0).all()
+    dear = closed_caps(policy("ngram", 0.002, 0.001, acceptance=0.2), [48] * 6,
+                       accepted=4)
+    assert dear.tolist() == [0] * 6
+
+
+def test_the_rule_and_the_budget_still_cut() -> None:
+    """A request the rule allows no draft gets none; a plan whose verification rows
+    exceed the budget is never chosen."""
+    gp = policy("ngram", 0.02, 0.0005, acceptance=0.7)
+    got = gp.caps(history([40] * 3), np.full(3, 28), np.zeros(3, dtype=int),
+                  np.array([K, 1, 0]), remaining=np.array([48, 48, 48]))
+    assert got[2] == 0 and got[1] <= 1 and got[0] > 0
+    gains = np.full((4, K), 0.9)
+    caps = finish_caps(gains, np.full(4, K), np.full(4, 60), np.zeros(4, dtype=int),
+                       gp.costs, gp.time_model, budget=4 + 4 * 2)
+    assert 4 + int(caps.sum()) <= 4 + 4 * 2
+
+
+def reference_seconds(gp: GoodputPolicy, gains: np.ndarray, remaining: np.ndarray,
+                      ks: np.ndarray) -> float:
+    """The predicted seconds to finish with each request drafting ks every step, by a
+    walk over the moments a request finishes (a Python loop over the active set)."""
+    finish = []
+    for i, k in enumerate(ks.tolist()):
+        cum = np.concatenate([[0.0], np.cumsum(gains[i])])
+        finish.append(max(int(remaining[i]), 1) / (1.0 + cum[k]))
+    moments = sorted(set(finish) | {0.0})
+    total = 0.0
+    target_of = np.concatenate([[0], np.cumsum(gp.costs.target)])
+    drafter_of = gp.costs.drafter_base + np.concatenate([[0], np.cumsum(gp.costs.drafter)])
+    for start, end in pairwise(moments):
+        active = [i for i, f in enumerate(finish) if f > start]
+        rows = sum(1 + int(target_of[ks[i]]) for i in active)
+        drafter = sum(int(drafter_of[ks[i]]) for i in active)
+        deepest = max(int(ks[i]) for i in active)
+        passes = (gp.costs.passes_base + gp.costs.passes_drafting * (deepest > 0)
+                  + (max(deepest - 1, 0) if gp.costs.sequential else 0))
+        total += (end - start) * gp.time_model.predict_one(rows, rows, drafter, passes)
+    return total
+
+
+@settings(max_examples=60, deadline=None)
+@given(method=st.sampled_from(["ngram", "eagle", "dflash"]),
+       per_row=st.sampled_from([0.0001, 0.0009, 0.004]),
+       rates=st.lists(st.floats(0.0, 0.95), min_size=1, max_size=6),
+       remaining=st.lists(st.integers(1, 200), min_size=6, max_size=6),
+       limits=st.lists(st.integers(0, K), min_size=6, max_size=6))
+def test_the_plan_is_never_slower_than_one_k_for_all(method: str, per_row: float,
+                                                      rates: list[float],
+                                                      remaining: list[int],
+                                                      limits: list[int]) -> None:
+    """Under the model, the plan finishes no later than every request drafting the same
+    k (each cut to its rule), no drafts included, timed by the reference walk."""
+    gp = policy(method, 0.02, per_row, acceptance=0.6)
+    num = len(rates)
+    limit = np.array(limits[:num])
+    gains = np.cumprod(np.repeat(np.array(rates)[:, None], K, axis=1), axis=1)
+    gains[np.arange(K)[None, :] >= limit[:, None]] = 0.0
+    left = np.array(remaining[:num])
+    got = finish_caps(gains, limit, left, np.zeros(num, dtype=int), gp.costs,
+                      gp.time_model, budget=4096)
+    assert (got <= limit).all()
+    mine = reference_seconds(gp, gains, left, got)
+    for k in range(K + 1):
+        uniform = reference_seconds(gp, gains, left, np.minimum(k, limit))
+        assert mine <= uniform * (1 + 1e-9) + 1e-12
+
+
+def run_closed(arrivals_closed: bool) -> dict[str, int]:
+    """A batch of one long and seven short requests, drafts mostly accepted; returns
+    the drafts each request proposed over the run."""
+    sched = make_scheduler("ngram", k=K, budget=256, max_num_seqs=8,
+                           draft_policy="goodput", max_model_len=512)
+    sched.arrivals_closed = arrivals_closed
+    runner = SimulatedRunner(sched, acceptance=0.8, seed=3,
+                             step_time=synthetic_step_time(0.02, 0.0002))
+    for i in range(8):
+        sched.add_request(make_request(f"r{i}", 6 + i, max_tokens=80 if i == 0 else 12,
+                                       ignore_eos=True))
+    drafts = {f"r{i}": 0 for i in range(8)}
+    while sched.has_unfinished_requests():
+        out, _ = run_step(sched, runner)
+        for rid, k in out.num_draft_tokens.items():
+            drafts[rid] += k
+    return drafts
+
+
+def test_the_scheduler_plans_to_finish_only_when_told_nobody_joins() -> None:
+    """Open (a server: someone may join any time): every request drafts. Closed (an
+    offline batch): the short requests finish long before the long one, so they draft
+    nothing and the long one drafts."""
+    open_run = run_closed(False)
+    assert all(open_run[f"r{i}"] > 0 for i in range(8))
+    closed = run_closed(True)
+    assert closed["r0"] > 0
+    assert sum(closed[f"r{i}"] for i in range(1, 8)) < sum(open_run[f"r{i}"]
+                                                           for i in range(1, 8)) / 4
+
+
+def test_a_closed_batch_is_planned_without_the_optimism_of_fresh_requests() -> None:
+    """Fresh requests get an exploration bonus per step, where one request's try is
+    cheap; a closed plan drafts the whole batch alike, so it plans at the mean."""
+    gp = policy("ngram", 0.02, 0.0005, acceptance=0.5)
+    fresh = (history([0] * 4), np.zeros(4, dtype=int), np.zeros(4, dtype=int))
+    hopeful = gp.acceptance.request_rates(*fresh)
+    plain = gp.acceptance.request_rates(*fresh, explore=False)
+    assert (hopeful > plain).all()
+    assert np.allclose(plain, gp.acceptance.position_rates()[0])
