@@ -81,36 +81,85 @@ def head_variants(method: str, model_path: Path, random_heads: bool) -> list[str
     return trained + (["random"] if random_heads or not trained else [])
 
 
-def run_one(model: LlamaForCausalLM, method: str | None, prompts: list[str], k: int,
-            max_tokens: int, head: str | None = None, concurrency: int = 16,
-            policy: str = "goodput") -> dict:
+Config = tuple[str | None, str, int, str | None]  # method, policy, K, head
+
+
+def engine_for(model: LlamaForCausalLM, config: Config, concurrency: int) -> LLM:
+    """A fresh engine for one configuration, warmed up by one short request (left out
+    of every figure)."""
+    method, policy, k, head = config
     spec: dict | None = ({"method": method, "num_speculative_tokens": k,
                           "draft_policy": policy} if method else None)
     if spec is not None and head is not None:
         spec["model"] = head
     llm = LLM(loaded_model=model, speculative_config=spec, max_num_batched_tokens=256,
               max_num_seqs=concurrency, max_model_len=1024)
-    params = SamplingParams(max_tokens=max_tokens)
+    llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    return llm
+
+
+def run_one(model: LlamaForCausalLM, method: str | None, prompts: list[str], k: int,
+            max_tokens: int, head: str | None = None, concurrency: int = 16,
+            policy: str = "goodput") -> dict:
+    config = (method, policy, k, head)
+    llm = engine_for(model, config, concurrency)
+    before = llm.get_metrics()
     chats = [[{"role": "user", "content": p}] for p in prompts]
-    llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    before = llm.get_metrics()["spec_decode"]
     start = time.perf_counter()
-    outs = llm.chat(chats, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    outs = llm.chat(chats, SamplingParams(max_tokens=max_tokens), use_tqdm=False)
+    return record(llm, config, before, outs, time.perf_counter() - start)
+
+
+def run_pair(model: LlamaForCausalLM, config: Config, prompts: list[str], max_tokens: int,
+             concurrency: int) -> tuple[dict, dict]:
+    """Speculation off and `config` on the same prompts, stepped alternately (each
+    step of one, then each of the other, who goes first swapping every step), each
+    timed by the sum of its own steps: this machine's speed drifts by tens of percent
+    over seconds, which separate runs a few seconds apart measure as much as the
+    difference between configurations; steps ~50 ms apart see the same machine.
+    Returns (off's record, the configuration's)."""
+    configs = ((None, "off", config[2], None), config)
+    engines = [engine_for(model, c, concurrency) for c in configs]
+    befores = [llm.get_metrics() for llm in engines]
+    params = SamplingParams(max_tokens=max_tokens)
+    rendered = [engines[0].tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                for p in prompts]
+    steps = [llm.generate_stepwise(rendered, params) for llm in engines]
+    seconds, last = [0.0, 0.0], [[], []]
+    running, turn = [0, 1], 0
+    while running:
+        for i in (running if turn % 2 == 0 else running[::-1]):
+            start = time.perf_counter()
+            got = next(steps[i], None)
+            seconds[i] += time.perf_counter() - start
+            if got is None:
+                running.remove(i)
+            else:
+                last[i] = got
+        turn += 1
+    off, on = (record(llm, c, b, out, s) for llm, c, b, out, s in
+               zip(engines, configs, befores, last, seconds, strict=True))
+    return off, on
+
+
+def record(llm: LLM, config: Config, before: dict, outs: list, seconds: float) -> dict:
+    """One run's figures from its engine's metrics since `before`."""
+    method, policy, k, head = config
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    spec_stats = llm.get_metrics()["spec_decode"]
-    drafted = spec_stats["num_draft_tokens"] - before["num_draft_tokens"]
-    accepted = spec_stats["num_accepted_tokens"] - before["num_accepted_tokens"]
-    drafts = spec_stats["num_drafts"] - before["num_drafts"]
+    metrics = llm.get_metrics()
+    spec_stats, was = metrics["spec_decode"], before["spec_decode"]
+    drafted = spec_stats["num_draft_tokens"] - was["num_draft_tokens"]
+    accepted = spec_stats["num_accepted_tokens"] - was["num_accepted_tokens"]
+    drafts = spec_stats["num_drafts"] - was["num_drafts"]
     alpha = accepted / drafted if drafted else None
     return {
         "method": method or "off", "num_speculative_tokens": k if method else 0,
         "draft_policy": policy if method else None,
-        "chosen_k": llm.get_metrics()["draft_policy"]["chosen_k"] if method else None,
+        "chosen_k": metrics["draft_policy"]["chosen_k"] if method else None,
         "head": (head or "trained") if is_head_method(method) else None,
         "output_tokens": tokens, "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 2),
-        "steps": llm.get_metrics()["num_steps"],
+        "steps": metrics["num_steps"] - before["num_steps"],
         "acceptance_rate": alpha,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
         "acceptance_per_pos_since_start": spec_stats["acceptance_per_pos"],
@@ -164,23 +213,40 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def run_passes(model: LlamaForCausalLM, configs: list[tuple[str | None, str, int, str | None]],
-               batch: list[str], max_tokens: int, concurrency: int, repeats: int,
-               warm: bool) -> dict[int, list[dict]]:
-    """Every configuration's runs, by its index: round-robin over the configurations,
-    `repeats` times, each pass starting elsewhere in the list (this machine's speed
-    drifts within a pass too, so a fixed order favours whoever runs in its fast
-    stretch). With `warm`, a first pass, unmeasured, meets every shape once: oneDNN
-    builds a kernel per new row count, so in a cold process whoever runs first would
-    pay the building for everyone after it."""
+def run_passes(model: LlamaForCausalLM, configs: list[Config], batch: list[str],
+               max_tokens: int, concurrency: int, repeats: int, warm: bool,
+               paired_steps: bool = False) -> tuple[dict[int, list[dict]],
+                                                    dict[int, list[dict]]]:
+    """Every configuration's runs, by its index, and the runs of speculation off each
+    is compared with: round-robin over the configurations, `repeats` times, each pass
+    starting elsewhere in the list (this machine's speed drifts within a pass too, so
+    a fixed order favours whoever runs in its fast stretch). With `paired_steps`, each
+    configuration runs step by step beside its own run of speculation off
+    (`run_pair`); otherwise every configuration is compared with the pass's one run of
+    off (configuration 0). With `warm`, a first pass, unmeasured, meets every shape
+    once: oneDNN builds a kernel per new row count, so in a cold process whoever runs
+    first would pay the building for everyone after it."""
     runs_of: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
+    twins_of: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
+    measured = range(1, len(configs)) if paired_steps else range(len(configs))
     for repeat in range(-1 if warm else 0, repeats):
         for i in pass_order(len(configs), max(repeat, 0), repeats):
+            if i not in measured:
+                continue
             method, policy, k, head = configs[i]
-            run = run_one(model, method, batch, k, max_tokens, head, concurrency, policy)
+            if paired_steps:
+                off, run = run_pair(model, configs[i], batch, max_tokens, concurrency)
+            else:
+                run = run_one(model, method, batch, k, max_tokens, head, concurrency, policy)
             if repeat >= 0:
                 runs_of[i].append(run)
-    return runs_of
+                if paired_steps:
+                    twins_of[i].append(off)
+                    runs_of[0].append(off)
+    for i in range(len(configs)):
+        if not paired_steps or i == 0:
+            twins_of[i] = runs_of[0]
+    return runs_of, twins_of
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -206,6 +272,10 @@ def main(argv: list[str] | None = None) -> dict:
                         help="skip the unmeasured first pass over every configuration")
     parser.add_argument("--repeats", type=int, default=1,
                         help="round-robin passes over every configuration (medians)")
+    parser.add_argument("--paired-steps", action="store_true",
+                        help="run each configuration step by step beside its own run "
+                             "of speculation off (tok/s ratios immune to the machine's "
+                             "drift over seconds)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     out_path = args.out or ROOT / "benchmarks" / "results" / (
@@ -231,18 +301,18 @@ def main(argv: list[str] | None = None) -> dict:
         for conc in concurrencies:
             # At least `min_requests` requests, at most `conc` running at once.
             batch = (prompts * conc)[:max(conc, min(min_requests, len(prompts)))]
-            configs: list[tuple[str | None, str, int, str | None]] = [(None, "off", args.k,
-                                                                     None)]
+            configs: list[Config] = [(None, "off", args.k, None)]
             configs += [(method, policy, k, head)
                         for method in methods for policy, k in runs
                         for head in head_variants(method, path, not args.no_random_heads)]
-            runs_of = run_passes(model, configs, batch, max_tokens, conc, args.repeats,
-                                 args.warm_pass and not args.quick)
+            runs_of, twins_of = run_passes(model, configs, batch, max_tokens, conc,
+                                           args.repeats, args.warm_pass and not args.quick,
+                                           args.paired_steps)
             base = _median_row(runs_of[0])
             for i, (_, policy, k, _head) in enumerate(configs):
                 row = base if i == 0 else _median_row(runs_of[i])
                 row.update(workload=workload, concurrency=conc,
-                           speedup_vs_off=paired_speedup(runs_of[i], runs_of[0]),
+                           speedup_vs_off=paired_speedup(runs_of[i], twins_of[i]),
                            speedup_of_medians=round(
                                row["tokens_per_s"] / base["tokens_per_s"], 3),
                            lossless=all(r["outputs"] == base["outputs"] for r in runs_of[i]))
@@ -258,7 +328,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"benchmark": "spec_decode", "device": "cpu",
               "dtype": str(dtype).removeprefix("torch."),
               "num_speculative_tokens": args.k, "max_tokens": max_tokens,
-              "quick": args.quick, "results": rows, "policy_summary": summarize(rows)}
+              "quick": args.quick, "paired_steps": args.paired_steps, "results": rows,
+              "policy_summary": summarize(rows)}
     write_report(out_path, report)
     print(f"wrote {out_path}")
     return report

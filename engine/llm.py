@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +110,31 @@ class LLM:
                  sampling_params: SamplingParams | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
+        params = self._checked_params(sampling_params)
+        prepared = self._prepare(prompts)  # every prompt checked before any is queued
+        if self.replicas is not None:
+            return asyncio.run(self._generate_on_replicas(self.replicas, prepared, params))
+        outputs = self._submit(prepared, params)
+        with tqdm(total=len(outputs), desc="requests", disable=not use_tqdm) as bar:
+            for finished in self._drain(outputs):
+                bar.update(finished)
+        return list(outputs.values())
+
+    def generate_stepwise(self, prompts: str | list[str] | list[list[int]],
+                          sampling_params: SamplingParams | None = None,
+                          ) -> Iterator[list[RequestOutput]]:
+        """`generate`, one engine step per iteration: yields the outputs so far, in
+        prompt order, after each step (the last time, all finished). For a caller that
+        drives engines side by side (a benchmark timing two configurations step by
+        step on a machine whose speed drifts). Closing it early aborts what is left."""
+        if self.replicas is not None:
+            raise ValueError("generate_stepwise drives one engine; this LLM has "
+                             f"data_parallel_size={len(self.replicas.replicas)} replicas")
+        outputs = self._submit(self._prepare(prompts), self._checked_params(sampling_params))
+        for _ in self._drain(outputs):
+            yield list(outputs.values())
+
+    def _checked_params(self, sampling_params: SamplingParams | None) -> SamplingParams:
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {params!r:.80}")
@@ -116,9 +142,11 @@ class LLM:
             if token >= self.tokenizer.vocab_size:
                 raise ValueError(f"SamplingParams.stop_token_ids[{i}] must be a token id in "
                                  f"[0, {self.tokenizer.vocab_size}), got {token}")
-        prepared = self._prepare(prompts)  # every prompt checked before any is queued
-        if self.replicas is not None:
-            return asyncio.run(self._generate_on_replicas(self.replicas, prepared, params))
+        return params
+
+    def _submit(self, prepared: list[tuple[str | None, list[int]]],
+                params: SamplingParams) -> dict[str, RequestOutput]:
+        """Queue every prompt, or none: a refusal drops those already queued."""
         outputs: dict[str, RequestOutput] = {}
         try:
             for text, ids in prepared:
@@ -128,22 +156,39 @@ class LLM:
                 self.processor.add(rid, len(ids), params)
                 outputs[rid] = RequestOutput(rid, text, ids, [_empty_completion(params)])
         except BaseException:
-            for rid in outputs:  # all or nothing: drop the prompts already queued
+            self._drop(outputs)
+            raise
+        return outputs
+
+    def _drop(self, outputs: dict[str, RequestOutput]) -> None:
+        for rid, out in outputs.items():
+            if not out.finished:
                 self.engine.abort_request(rid)
                 self.processor.drop(rid)
-            raise
-        with tqdm(total=len(outputs), desc="requests", disable=not use_tqdm) as bar:
+
+    def _drain(self, outputs: dict[str, RequestOutput]) -> Iterator[int]:
+        """Step until every request of `outputs` ends, yielding after each step how
+        many ended in it. Meanwhile the scheduler knows nobody joins, so its goodput
+        policy plans the batch's tail to finish soonest. Left early (an exception, a
+        caller that stops iterating), it aborts what is left: no request or KV block
+        outlives the call."""
+        self.engine.scheduler.arrivals_closed = True
+        try:
             while self.engine.has_unfinished_requests():
                 deltas, stopped, _ = self.processor.process(self.engine.step())
                 for rid in stopped:
                     self.engine.stop_request(rid)
+                finished = 0
                 for delta in deltas:
                     out = outputs[delta.request_id]
                     out.outputs[0].add(delta, self.tokenizer)
                     if delta.finished:
                         out.finished = True
-                        bar.update(1)
-        return list(outputs.values())
+                        finished += 1
+                yield finished
+        finally:
+            self.engine.scheduler.arrivals_closed = False
+            self._drop(outputs)
 
     def _prepare(self, prompts: Any) -> list[tuple[str | None, list[int]]]:
         """(text, token ids) of each prompt, refused as the server refuses a request's

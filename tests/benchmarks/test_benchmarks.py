@@ -83,6 +83,23 @@ def test_spec_decode_quick(tmp_path: Path) -> None:
             assert row["acceptance_rate"] in (None, 1.0)
 
 
+@pytest.mark.model
+def test_spec_decode_paired_steps(tmp_path: Path) -> None:
+    """Each configuration beside its own run of off, step by step: one twin of off per
+    configuration and pass, both lossless, each timed by its own steps."""
+    from benchmarks import spec_decode
+
+    report = spec_decode.main(["--quick", "--methods", "ngram,suffix", "--workloads",
+                               "grounded", "--policies", "goodput", "--concurrency", "4",
+                               "--paired-steps", "--repeats", "2",
+                               "--out", str(tmp_path / "s.json")])
+    rows = {r["method"]: r for r in report["results"]}
+    assert report["paired_steps"] and set(rows) == {"off", "ngram", "suffix"}
+    assert len(rows["off"]["tokens_per_s_runs"]) == 4  # two configurations, two passes
+    assert all(r["lossless"] and r["speedup_vs_off"] > 0 for r in rows.values())
+    assert all(r["seconds"] > 0 and r["steps"] > 0 for r in rows.values())
+
+
 def test_spec_decode_rotates_its_passes() -> None:
     """Each pass runs every configuration once, and over the passes a configuration
     runs at different places in the pass (not always first, not always last)."""
