@@ -228,6 +228,8 @@ class ModelDrafter:
                planned: StepRows) -> dict[int, list[int]]:
         """Drafts per scheduled-request index, for every request with k >= 1."""
         drafts: dict[int, list[int]] = {int(i): [] for i in np.flatnonzero(res.num_draft_tokens)}
+        if not any(rows for name, rows in planned.counts.items() if name != "target"):
+            return drafts  # every request parked: no pass to fill (most steps under load)
         last_hidden: dict[int, torch.Tensor] = {}
         passes = [fill_pass(rows, res, self.states.token_ids, self.mask_id)
                   for rows in planned.passes]

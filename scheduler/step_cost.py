@@ -84,7 +84,7 @@ class StepTimeModel:
         self.gram = np.zeros((len(self.prior), len(self.prior)))  # decayed sum of x x'
         self.moment = np.zeros(len(self.prior))  # decayed sum of x * seconds
         self.theta = self.prior.copy()
-        self.cov = np.linalg.inv(self.prior_precision)  # of theta, in units of noise_var
+        self._cov: np.ndarray | None = None  # of theta, in units of noise_var (`cov`)
         self.noise_var = 1e-6  # of one step's time around the fit (s^2): ~1 ms to start
         self.forgetting = settings.forgetting
         self.optimism = settings.optimism
@@ -137,6 +137,12 @@ class StepTimeModel:
                            self.optimism_floor * extra_mean)
         return np.maximum(mean[0] + added, 1e-6)
 
+    @property
+    def cov(self) -> np.ndarray:
+        if self._cov is None:
+            self._cov = np.linalg.inv(self.prior_precision + self.gram)
+        return self._cov
+
     def observe(self, target: int, logits: int, drafter: int, passes: int,
                 seconds: float) -> None:
         x = self.features_one(target, logits, drafter, passes)
@@ -148,7 +154,7 @@ class StepTimeModel:
         self.gram += np.outer(x, x)
         self.moment *= self.forgetting
         self.moment += x * seconds
-        self.cov = np.linalg.inv(self.prior_precision + self.gram)
+        self._cov = None  # inverted when an optimistic price asks for it, not per step
         self.theta = self._fit(self.prior_precision + self.gram,
                                self._prior_moment + self.moment)
         self.num_observed += 1
@@ -160,7 +166,7 @@ class StepTimeModel:
         alone (steps that run a drafter pass also have its rows), the unconstrained fit
         traded a negative pass for a dear row (measured: parallel at 16 running, pass
         -10 ms, row 0.15 ms), and drafting the whole batch looked cheaper than not."""
-        theta = self.cov @ moment
+        theta = np.linalg.solve(precision, moment)
         free = np.ones(len(theta), dtype=bool)
         for _ in _NONNEGATIVE:
             negative = [i for i in _NONNEGATIVE if free[i] and theta[i] < 0.0]
