@@ -31,11 +31,14 @@ if TYPE_CHECKING:
 
 def finish_caps(gains: np.ndarray, limit: np.ndarray, remaining: np.ndarray,
                 catch_up: np.ndarray, costs: DraftCosts, model: StepTimeModel,
-                budget: int) -> np.ndarray:
+                budget: int, min_gain: float = 0.0) -> tuple[np.ndarray, float]:
     """[N] each request's k for the plan that finishes the batch in the least predicted
-    time. gains [N, K]: the chance its first j + 1 drafts are all accepted (0 past its
-    rule's k); limit [N]: its rule's k; remaining [N]: output tokens it may still make;
-    catch_up [N]: rows its parked drafter replays before its first draft."""
+    time, and by how much the best plan with drafts is slower when the best is none
+    (0.1: 10 % slower; 0.0 when drafts win). gains [N, K]: the chance its first j + 1
+    drafts are all accepted (0 past its rule's k); limit [N]: its rule's k; remaining
+    [N]: output tokens it may still make; catch_up [N]: rows its parked drafter replays
+    before its first draft; min_gain: the share of the time without drafts a plan
+    with drafts must save to be chosen."""
     num, max_k = gains.shape
     ks = np.arange(max_k + 1)
     per_step = 1.0 + np.concatenate([np.zeros((num, 1)), np.cumsum(gains, axis=1)], axis=1)
@@ -50,7 +53,10 @@ def finish_caps(gains: np.ndarray, limit: np.ndarray, remaining: np.ndarray,
                             costs, model)
     target_rows = num + np.cumsum(np.concatenate([[0], costs.target]))[chosen].sum(axis=1)
     seconds[(target_rows > budget) & (ks > 0)] = np.inf
-    return chosen[int(np.argmin(seconds))]
+    seconds[1:] /= 1.0 - min_gain
+    best = int(np.argmin(seconds))
+    margin = float(seconds[1:].min() / seconds[0] - 1.0) if best == 0 and max_k else 0.0
+    return chosen[best], margin
 
 
 def _plan_seconds(chosen: np.ndarray, steps: np.ndarray, catch_up: np.ndarray,
@@ -74,6 +80,8 @@ def _plan_seconds(chosen: np.ndarray, steps: np.ndarray, catch_up: np.ndarray,
     # A parked drafter's replay, once, at the price of a drafter row (measured at the
     # plan's first step: one more row there).
     replay = ((chosen > 0) * catch_up[None, :]).sum(axis=1)
+    if not replay.any():
+        return total
     row = (model.predict(target[:, -1], target[:, -1], drafter[:, -1] + 1, passes[:, -1])
            - per_step[:, -1])
     return total + replay * np.maximum(row, 0.0)

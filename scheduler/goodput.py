@@ -168,6 +168,8 @@ class GoodputPolicy:
         kind = rule.method.drafter if rule.method is not None else None
         self.time_model = time_model or StepTimeModel(kind, self.settings)
         self.new_request_cap = rule.max_k  # for requests admitted this step
+        # Closed-batch plans left to skip, and the running count they were made for.
+        self._idle_steps = self._idle_num = 0
 
     def caps(self, verifications: np.ndarray, first_accepted: np.ndarray,
              states: np.ndarray, rule_k: np.ndarray,
@@ -182,6 +184,11 @@ class GoodputPolicy:
         request with no history in this batch."""
         num = len(rule_k)
         planned = remaining is not None and num > 0 and self.settings.finish_when_closed
+        if planned and self._idle_steps > 0 and num == self._idle_num:
+            self._idle_steps -= 1  # the last plan drafted nothing by a clear margin
+            self.new_request_cap = 0
+            self.check.expect(0.0, 0)
+            return np.zeros(num, dtype=np.int64)
         fresh = np.zeros(1, dtype=np.int64)
         # A plan for a closed batch drafts every request alike or not at all, so
         # optimism there would try drafts on the whole batch at once: at the mean.
@@ -193,13 +200,7 @@ class GoodputPolicy:
         limit = np.concatenate([rule_k, [self.max_k]])
         catch_up = np.zeros(num, dtype=np.int64) if behind is None else behind
         if planned and remaining is not None:
-            # Planned at the method's K: a rule's k below it is passing (a prompt still
-            # in prefill drafts once it samples; near its end, `remaining` is small).
-            plan = finish_caps(gains[:num], np.full(num, self.max_k), remaining, catch_up,
-                               self.costs, self.time_model, self.budget)
-            # Nobody joins a closed batch; a request preempted back into it waits, so
-            # the next step plans per step again.
-            limit = np.minimum(limit, np.append(plan, plan.max()))
+            limit = np.minimum(limit, self._finish_plan(gains[:num], remaining, catch_up))
         gains[np.arange(self.max_k)[None, :] >= limit[:, None]] = 0.0
         if planned:
             chosen = np.arange(self.max_k)[None, :] < limit[:, None]
@@ -209,6 +210,25 @@ class GoodputPolicy:
         self.new_request_cap = int(caps[num])
         self.check.expect(float(gains[:num][chosen[:num]].sum()), int(caps[:num].sum()))
         return caps[:num]
+
+    def _finish_plan(self, gains: np.ndarray, remaining: np.ndarray,
+                     catch_up: np.ndarray) -> np.ndarray:
+        """[N + 1] the closed batch's plan (scheduler/finish_plan.py), the last entry for
+        a request with no history. Planned at the method's K: a rule's k below it is
+        passing (a prompt still in prefill drafts once it samples; near its end,
+        `remaining` is small). A plan that drafts nothing by a clear margin is kept
+        for the next steps (`GoodputSettings.idle_margin_per_step`)."""
+        num = len(gains)
+        settings = self.settings
+        plan, margin = finish_caps(gains, np.full(num, self.max_k), remaining, catch_up,
+                                   self.costs, self.time_model, self.budget,
+                                   settings.finish_min_gain)
+        self._idle_steps = min(settings.max_idle_steps,
+                               int(margin / settings.idle_margin_per_step))
+        self._idle_num = num
+        # Nobody joins a closed batch; a request preempted back into it waits, so the
+        # next step plans per step again.
+        return np.append(plan, plan.max())
 
     def _threshold(self, gains: np.ndarray, num_sampling: int, catch_up: np.ndarray) -> float:
         """The smallest gain worth a draft: drafts sorted by gain, the prefix that

@@ -8,6 +8,7 @@ from __future__ import annotations
 from itertools import pairwise
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -57,8 +58,8 @@ def test_the_rule_and_the_budget_still_cut() -> None:
                   np.array([K, 1, 0]), remaining=np.array([48, 48, 48]))
     assert got[2] == 0 and got[1] <= 1 and got[0] > 0
     gains = np.full((4, K), 0.9)
-    caps = finish_caps(gains, np.full(4, K), np.full(4, 60), np.zeros(4, dtype=int),
-                       gp.costs, gp.time_model, budget=4 + 4 * 2)
+    caps, _ = finish_caps(gains, np.full(4, K), np.full(4, 60), np.zeros(4, dtype=int),
+                          gp.costs, gp.time_model, budget=4 + 4 * 2)
     assert 4 + int(caps.sum()) <= 4 + 4 * 2
 
 
@@ -103,13 +104,15 @@ def test_the_plan_is_never_slower_than_one_k_for_all(method: str, per_row: float
     gains = np.cumprod(np.repeat(np.array(rates)[:, None], K, axis=1), axis=1)
     gains[np.arange(K)[None, :] >= limit[:, None]] = 0.0
     left = np.array(remaining[:num])
-    got = finish_caps(gains, limit, left, np.zeros(num, dtype=int), gp.costs,
-                      gp.time_model, budget=4096)
+    got, margin = finish_caps(gains, limit, left, np.zeros(num, dtype=int), gp.costs,
+                              gp.time_model, budget=4096)
     assert (got <= limit).all()
     mine = reference_seconds(gp, gains, left, got)
     for k in range(K + 1):
         uniform = reference_seconds(gp, gains, left, np.minimum(k, limit))
         assert mine <= uniform * (1 + 1e-9) + 1e-12
+        if not got.any() and np.minimum(k, limit).any():  # the margin it reports holds
+            assert uniform >= mine * (1 + margin) * (1 - 1e-9) - 1e-12
 
 
 def run_closed(arrivals_closed: bool) -> dict[str, int]:
@@ -152,3 +155,27 @@ def test_a_closed_batch_is_planned_without_the_optimism_of_fresh_requests() -> N
     plain = gp.acceptance.request_rates(*fresh, explore=False)
     assert (hopeful > plain).all()
     assert np.allclose(plain, gp.acceptance.position_rates()[0])
+
+
+def test_a_plan_that_drafts_nothing_by_a_clear_margin_is_kept_a_few_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafting clearly loses: after one plan, the next steps reuse it (no re-plan)
+    up to `max_idle_steps`, one step per `idle_margin_per_step` of the margin; a
+    change in the running set plans again at once."""
+    import scheduler.goodput as goodput
+
+    calls = []
+    plan = goodput.finish_caps
+    monkeypatch.setattr(goodput, "finish_caps",
+                        lambda *a, **k: calls.append(1) or plan(*a, **k))
+    gp = policy("ngram", 0.002, 0.001, acceptance=0.2)
+    for _ in range(12):
+        assert closed_caps(gp, [48] * 6, accepted=4).tolist() == [0] * 6
+    assert len(calls) == 2  # planned, kept 8 steps, planned, kept 3 so far
+    assert closed_caps(gp, [48] * 5, accepted=4).tolist() == [0] * 5
+    assert len(calls) == 3
+    cheap = policy("ngram", 0.02, 0.0005, acceptance=0.7)
+    calls.clear()
+    for _ in range(3):
+        assert (closed_caps(cheap, [48] * 6) > 0).all()
+    assert len(calls) == 3  # drafting: planned every step
