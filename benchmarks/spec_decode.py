@@ -249,6 +249,28 @@ def run_passes(model: LlamaForCausalLM, configs: list[Config], batch: list[str],
     return runs_of, twins_of
 
 
+def result_rows(configs: list[Config], runs_of: dict[int, list[dict]],
+                twins_of: dict[int, list[dict]], workload: str, conc: int) -> list[dict]:
+    """One row per configuration (its median run, its ratios to off, whether every run
+    matched off's tokens), each printed as it is made."""
+    base = _median_row(runs_of[0])
+    rows = []
+    for i, (_, policy, k, _head) in enumerate(configs):
+        row = base if i == 0 else _median_row(runs_of[i])
+        row.update(workload=workload, concurrency=conc,
+                   speedup_vs_off=paired_speedup(runs_of[i], twins_of[i]),
+                   speedup_of_medians=round(row["tokens_per_s"] / base["tokens_per_s"], 3),
+                   lossless=all(r["outputs"] == base["outputs"] for r in runs_of[i]))
+        rows.append(row)
+        print(f"{workload:<9}{conc:>3}  {row['method']:<10}{policy:<8}K={k} "
+              f"{row['head'] or '':<8}"
+              f"{row['tokens_per_s']:>8.1f} tok/s  x{row['speedup_vs_off']:<6}"
+              f" runs={row['tokens_per_s_runs']}"
+              f" len={row['mean_acceptance_length']} lossless={row['lossless']}",
+              flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
@@ -308,21 +330,7 @@ def main(argv: list[str] | None = None) -> dict:
             runs_of, twins_of = run_passes(model, configs, batch, max_tokens, conc,
                                            args.repeats, args.warm_pass and not args.quick,
                                            args.paired_steps)
-            base = _median_row(runs_of[0])
-            for i, (_, policy, k, _head) in enumerate(configs):
-                row = base if i == 0 else _median_row(runs_of[i])
-                row.update(workload=workload, concurrency=conc,
-                           speedup_vs_off=paired_speedup(runs_of[i], twins_of[i]),
-                           speedup_of_medians=round(
-                               row["tokens_per_s"] / base["tokens_per_s"], 3),
-                           lossless=all(r["outputs"] == base["outputs"] for r in runs_of[i]))
-                rows.append(row)
-                print(f"{workload:<9}{conc:>3}  {row['method']:<10}{policy:<8}K={k} "
-                      f"{row['head'] or '':<8}"
-                      f"{row['tokens_per_s']:>8.1f} tok/s  x{row['speedup_vs_off']:<6}"
-                      f" runs={row['tokens_per_s_runs']}"
-                      f" len={row['mean_acceptance_length']} lossless={row['lossless']}",
-                      flush=True)
+            rows += result_rows(configs, runs_of, twins_of, workload, conc)
     for row in rows:
         del row["outputs"]
     report = {"benchmark": "spec_decode", "device": "cpu",

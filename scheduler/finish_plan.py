@@ -33,8 +33,9 @@ def finish_caps(gains: np.ndarray, limit: np.ndarray, remaining: np.ndarray,
                 catch_up: np.ndarray, costs: DraftCosts, model: StepTimeModel,
                 budget: int, min_gain: float = 0.0) -> tuple[np.ndarray, float]:
     """[N] each request's k for the plan that finishes the batch in the least predicted
-    time, and by how much the best plan with drafts is slower when the best is none
-    (0.1: 10 % slower; 0.0 when drafts win). gains [N, K]: the chance its first j + 1
+    time, and by how much the best plan with drafts misses the bar when none wins
+    (its time over the time without drafts, less `min_gain`: 0.1 is 10 % short; 0.0
+    when drafts win). gains [N, K]: the chance its first j + 1
     drafts are all accepted (0 past its rule's k); limit [N]: its rule's k; remaining
     [N]: output tokens it may still make; catch_up [N]: rows its parked drafter replays
     before its first draft; min_gain: the share of the time without drafts a plan
@@ -51,8 +52,7 @@ def finish_caps(gains: np.ndarray, limit: np.ndarray, remaining: np.ndarray,
     chosen = within.argmax(axis=2)  # [C, N]
     seconds = _plan_seconds(chosen, steps[np.arange(num)[None, :], chosen], catch_up,
                             costs, model)
-    target_rows = num + np.cumsum(np.concatenate([[0], costs.target]))[chosen].sum(axis=1)
-    seconds[(target_rows > budget) & (ks > 0)] = np.inf
+    seconds[(costs.target_at[chosen].sum(axis=1) > budget) & (ks > 0)] = np.inf
     seconds[1:] /= 1.0 - min_gain
     best = int(np.argmin(seconds))
     margin = float(seconds[1:].min() / seconds[0] - 1.0) if best == 0 and max_k else 0.0
@@ -68,13 +68,9 @@ def _plan_seconds(chosen: np.ndarray, steps: np.ndarray, catch_up: np.ndarray,
     k = np.take_along_axis(chosen, order, axis=1)
     left = np.take_along_axis(steps, order, axis=1)
     length = left - np.concatenate([left[:, 1:], np.zeros((num_plans, 1))], axis=1)
-    target_per = 1 + np.cumsum(np.concatenate([[0], costs.target]))[k]
-    drafter_per = costs.drafter_base + np.cumsum(np.concatenate([[0], costs.drafter]))[k]
-    target = np.cumsum(target_per, axis=1)  # while the first j + 1 remain
-    drafter = np.cumsum(drafter_per, axis=1)
-    deepest = np.maximum.accumulate(k, axis=1)
-    passes = (costs.passes_base + costs.passes_drafting * (deepest > 0)
-              + (np.maximum(deepest - 1, 0) if costs.sequential else 0))
+    target = np.cumsum(costs.target_at[k], axis=1)  # while the first j + 1 remain
+    drafter = np.cumsum(costs.drafter_at[k], axis=1)
+    passes = costs.passes_at_depth(np.maximum.accumulate(k, axis=1))
     per_step = model.predict(target, target, drafter, passes)  # [C, N]
     total = (length * per_step).sum(axis=1)
     # A parked drafter's replay, once, at the price of a drafter row (measured at the

@@ -192,6 +192,10 @@ class DraftCosts:
     target: np.ndarray
     drafter: np.ndarray
     drafter_base: int
+    # [K + 1] rows a decoding request puts in per step with k drafts: its target rows
+    # (1 + its verifications) and its drafter rows (the cumulative sums of the above).
+    target_at: np.ndarray
+    drafter_at: np.ndarray
     passes_base: int = 0
     passes_drafting: int = 0
     sequential: bool = False
@@ -208,15 +212,20 @@ class DraftCosts:
             drafter = drafter + np.maximum(np.arange(rule.max_k + 1) - 1, 0)
         passes = (rows[:, 1:] > 0).sum(axis=1)
         drafting = int(passes[1] - passes[0]) if rule.max_k else 0
-        return cls(np.diff(target), np.diff(drafter), int(drafter[0]), int(passes[0]),
-                   drafting, sequential)
+        return cls(np.diff(target), np.diff(drafter), int(drafter[0]), target, drafter,
+                   int(passes[0]), drafting, sequential)
 
     def passes(self, num_sampling: int, draft_index: np.ndarray) -> np.ndarray:
         """Drafter passes of the step after each prefix of drafts (the first entry: no
         draft), `draft_index` the 0-based index in its request of each draft added."""
-        base = self.passes_base if num_sampling else 0
-        any_draft = np.concatenate([[0], np.ones(len(draft_index), dtype=np.int64)])
-        got = base + self.passes_drafting * any_draft
-        if self.sequential:
-            got = got + np.concatenate([[0], np.maximum.accumulate(draft_index)])
-        return got
+        if not num_sampling:
+            return np.zeros(len(draft_index) + 1, dtype=np.int64)
+        deepest = np.concatenate([[0], np.maximum.accumulate(draft_index + 1)])
+        return self.passes_at_depth(deepest)
+
+    def passes_at_depth(self, deepest: np.ndarray) -> np.ndarray:
+        """Drafter passes of a step with requests sampling whose deepest request drafts
+        `deepest` (0: none drafts): the base passes, the drafting ones once any drafts,
+        and for a sequential method a one-row step per draft past the first."""
+        got = self.passes_base + self.passes_drafting * (deepest > 0)
+        return got + np.maximum(deepest - 1, 0) if self.sequential else got

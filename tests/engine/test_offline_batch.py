@@ -36,7 +36,7 @@ def test_generate_plans_its_tail_to_finish_and_stays_lossless(
     assert llm.engine.scheduler.arrivals_closed is False  # the next caller may be a server
     # Two run while the third waits: planned per step. Once it runs, nothing waits.
     first_planned = next(i for i, left in enumerate(seen) if left is not None)
-    assert first_planned > 1 and seen[:first_planned].count(None) == first_planned
+    assert first_planned > 1  # the steps while the third prompt waited
     assert all(left is not None and (left <= 12).all() for left in seen[first_planned:])
     off = LLM(loaded_model=default_model(), max_model_len=128, max_num_seqs=2)
     want = off.generate(PROMPTS, params, use_tqdm=False)
