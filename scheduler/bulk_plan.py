@@ -25,9 +25,9 @@ from scheduler.request import NUM_OUTCOMES, Request
 from scheduler.step_record import StepRecord
 from spec_decode.methods import context_rows
 
-# Counters gathered per running request (`RunningCounters.gather`): nine, then the
+# Counters gathered per running request (`RunningCounters.gather`): ten, then the
 # verifications per state.
-_FIELDS = 9 + NUM_OUTCOMES
+_FIELDS = 10 + NUM_OUTCOMES
 
 
 @dataclass(frozen=True)
@@ -44,29 +44,36 @@ class RunningCounters:
     # For the goodput policy:
     first_accepted: np.ndarray  # [num_reqs] verifications that accepted the first draft
     last_outcome: np.ndarray  # [num_reqs] the state its last verification left
+    last_verified: np.ndarray  # [num_reqs] its output tokens at that verification
     verifications: np.ndarray  # [num_reqs, NUM_OUTCOMES] so far, per state it was in
 
     @classmethod
     def gather(cls, requests: Sequence[Request],
                req_blocks: dict[str, list[KVCacheBlock]]) -> RunningCounters:
         # One flat pass over the requests (one fromiter, no per-request arrays); the
-        # reshape turns [c0, t0, s0, o0, m0, b0, w0, a0, l0, v0..., c1, ...] into one row
-        # each.
+        # reshape turns [c0, t0, s0, o0, m0, b0, w0, a0, l0, lv0, v0..., c1, ...] into one
+        # row each.
         flat = np.fromiter(chain.from_iterable(
             (r.num_computed_tokens, len(r.all_token_ids), len(r.spec_token_ids),
              len(r.output_token_ids), r.sampling_params.max_tokens,
              len(req_blocks.get(r.request_id, ())), r.num_drafter_computed,
-             r.num_first_accepted, r.last_outcome, *r.verifications_by_state)
+             r.num_first_accepted, r.last_outcome, r.last_verified_output,
+             *r.verifications_by_state)
             for r in requests),
             dtype=np.int64, count=_FIELDS * len(requests))
         rows = flat.reshape(len(requests), _FIELDS)
-        c, t, s, o, m, b, w, a, last = rows[:, :9].T
-        return cls(c, t, s, o, m, b, w, a, last, rows[:, 9:])
+        c, t, s, o, m, b, w, a, last, lv = rows[:, :10].T
+        return cls(c, t, s, o, m, b, w, a, last, lv, rows[:, 10:])
 
     @property
     def behind(self) -> np.ndarray:
         """[num_reqs] rows each request's drafter skipped while parked."""
         return self.num_computed - self.num_drafter_computed
+
+    @property
+    def unverified(self) -> np.ndarray:
+        """[num_reqs] output tokens each made since its last verification."""
+        return self.num_output - self.last_verified
 
 
 def plan_bulk(record: StepRecord, requests: Sequence[Request], counters: RunningCounters,

@@ -6,12 +6,14 @@ Two online estimates, both owned here and both injectable (tests seed them):
 - `AcceptanceEstimates`: per draft position i, how often a draft that is reached (all
   drafts before it accepted) is accepted, kept per state the request's last
   verification left (all accepted, some, none, no verification yet: drafts come in
-  runs, so that state predicts best), counted with decay so the estimate follows a
-  changing workload. Each request's own record scales it (its first-draft acceptances
-  over what its states predicted: a request that keeps rejecting stops drafting, one
-  that accepts everything drafts the most), and a request with little history gets a
-  little optimism, so the estimates keep learning, less as the method's own record
-  grows.
+  runs, so that state predicts best) and per span of the answer it is in (a lookup
+  drafter copies more as the answer grows), counted with decay so the estimate follows
+  a changing workload. Each request's own record scales it (its first-draft
+  acceptances over what its states predicted: a request that keeps rejecting stops
+  drafting, one that accepts everything drafts the most); that record and its state
+  fade while it goes unverified, so a request parked early is rated by its span again
+  later. A request with little history gets a little optimism, so the estimates keep
+  learning, less as the method's own record grows.
 - `StepTimeModel` (scheduler/step_cost.py): the seconds of a step from its rows in
   each pass, fitted online from the step times the runner reports.
 
@@ -40,31 +42,56 @@ from scheduler.finish_plan import finish_caps
 from scheduler.request import FRESH, NUM_OUTCOMES
 from scheduler.step_cost import DraftCosts, StepTimeModel
 
+# Where an answer's spans start, in output tokens: acceptance changes along an answer
+# (a lookup drafter has more of the answer's own text to copy as it grows: ngram's
+# first draft after a rejection, measured on held-out chat at 4 running, is accepted
+# 0.06 of the time in the first 16 tokens, 0.16 up to 32 and 0.48 after), so the
+# estimates are kept per span as well as per state.
+SPAN_STARTS = (16, 32, 64, 128, 256)
+NUM_SPANS = len(SPAN_STARTS) + 1
 
-def reaching_by_state(counts: np.ndarray, states: np.ndarray, width: int) -> np.ndarray:
-    """[NUM_OUTCOMES, width]: per state, how many of `counts` (those of that state)
-    exceed i, for i < width (`stats.reaching`, one histogram for every state)."""
+
+def span_of(num_output: np.ndarray | list[int]) -> np.ndarray:
+    """The span of an answer each output length falls in (0: before the first start)."""
+    return np.searchsorted(SPAN_STARTS, num_output, side="right")
+
+
+def reaching_by_state(counts: np.ndarray, states: np.ndarray, width: int,
+                      num_groups: int = NUM_OUTCOMES) -> np.ndarray:
+    """[num_groups, width]: per state (or any group index), how many of `counts` (those
+    of that group) exceed i, for i < width (`stats.reaching`, one histogram per group)."""
     span = width + 1
     hist = np.bincount(states * span + np.minimum(counts, width),
-                       minlength=NUM_OUTCOMES * span).reshape(NUM_OUTCOMES, span)
+                       minlength=num_groups * span).reshape(num_groups, span)
     return np.cumsum(hist[:, ::-1], axis=1)[:, ::-1][:, 1:]
 
 
+def _shrunk(accepted: np.ndarray, reached: np.ndarray, toward: np.ndarray,
+            weight: float) -> np.ndarray:
+    """Observed rates with `weight` pseudo-observations at `toward`."""
+    return (accepted + weight * toward) / (reached + weight)
+
+
 class AcceptanceEstimates:
-    """Acceptance of a reached draft, per position and per state of the request's last
-    verification (each state's rates shrunk toward the pooled ones, those toward the
-    prior), and per request."""
+    """Acceptance of a reached draft, per draft position, per state of the request's
+    last verification and per span of the answer it is in, and per request.
+
+    Pooled rates are shrunk toward the prior; each state's and each span's toward the
+    pooled ones; each (state, span) cell toward the product of its state's and its
+    span's effects (state rate x span rate / pooled rate), so a cell seen rarely is
+    rated by what its row and its column say."""
 
     def __init__(self, max_k: int, settings: GoodputSettings) -> None:
         self.settings = settings
-        self.accepted = np.zeros((NUM_OUTCOMES, max_k))  # decayed counts per position
-        self.reached = np.zeros((NUM_OUTCOMES, max_k))
+        # Decayed counts per state, span and draft position.
+        self.accepted = np.zeros((NUM_OUTCOMES, NUM_SPANS, max_k))
+        self.reached = np.zeros((NUM_OUTCOMES, NUM_SPANS, max_k))
 
     def record(self, verified: list[int], accepted: list[int],
-               states: list[int] | None = None) -> None:
-        """One step's verifications (drafts verified, accepted), each verified >= 1, and
-        the state each request was in before it (FRESH if not given). Position i was
-        reached if i <= accepted (and i < verified)."""
+               states: list[int] | None = None, produced: list[int] | None = None) -> None:
+        """One step's verifications (drafts verified, accepted), each verified >= 1, the
+        state each request was in before it (FRESH if not given) and its output tokens
+        then (0 if not given). Position i was reached if i <= accepted (and i < verified)."""
         if not verified:
             return
         fade = self.settings.decay ** len(verified)
@@ -72,46 +99,83 @@ class AcceptanceEstimates:
         self.reached *= fade
         v, a = np.asarray(verified), np.asarray(accepted)
         s = np.asarray(states) if states is not None else np.zeros(len(v), dtype=np.int64)
-        width = self.reached.shape[1]
-        self.reached += reaching_by_state(np.minimum(a + 1, v), s, width)
-        self.accepted += reaching_by_state(a, s, width)
+        group = s * NUM_SPANS + (span_of(produced) if produced is not None else 0)
+        shape = self.reached.shape
+        cells, width = NUM_OUTCOMES * NUM_SPANS, shape[2]
+        self.reached += reaching_by_state(np.minimum(a + 1, v), group, width,
+                                          cells).reshape(shape)
+        self.accepted += reaching_by_state(a, group, width, cells).reshape(shape)
 
     def pooled_rates(self) -> np.ndarray:
-        """[K] acceptance of a reached draft at each position, all states together,
-        smoothed by the prior."""
+        """[K] acceptance of a reached draft at each position, all states and spans
+        together, smoothed by the prior."""
         s = self.settings
-        return ((self.accepted.sum(axis=0) + s.prior_weight * s.prior_acceptance)
-                / (self.reached.sum(axis=0) + s.prior_weight))
+        return _shrunk(self.accepted.sum(axis=(0, 1)), self.reached.sum(axis=(0, 1)),
+                       np.asarray(s.prior_acceptance), s.prior_weight)
 
     def position_rates(self, pooled: np.ndarray | None = None) -> np.ndarray:
-        """[NUM_OUTCOMES, K] per state of the last verification, shrunk toward the pooled
-        rates (a state seen rarely says little; `pooled`: `pooled_rates()` if known)."""
-        weight = self.settings.prior_weight
+        """[NUM_OUTCOMES, K] per state of the last verification, all spans together,
+        shrunk toward the pooled rates (a state seen rarely says little; `pooled`:
+        `pooled_rates()` if known)."""
         pooled = self.pooled_rates() if pooled is None else pooled
-        return (self.accepted + weight * pooled) / (self.reached + weight)
+        return _shrunk(self.accepted.sum(axis=1), self.reached.sum(axis=1), pooled,
+                       self.settings.prior_weight)
+
+    def span_rates(self, pooled: np.ndarray | None = None) -> np.ndarray:
+        """[NUM_SPANS, K] per span of the answer, all states together, shrunk toward
+        the pooled rates."""
+        pooled = self.pooled_rates() if pooled is None else pooled
+        return _shrunk(self.accepted.sum(axis=0), self.reached.sum(axis=0), pooled,
+                       self.settings.prior_weight)
+
+    def cell_rates(self, pooled: np.ndarray, by_state: np.ndarray,
+                   by_span: np.ndarray) -> np.ndarray:
+        """[NUM_OUTCOMES, NUM_SPANS, K] per state and span, from the pooled, per-state
+        and per-span rates."""
+        both = np.clip(by_state[:, None, :] * by_span[None, :, :] / np.maximum(pooled, 1e-6),
+                       0.0, 0.99)
+        return _shrunk(self.accepted, self.reached, both, self.settings.prior_weight)
 
     def request_rates(self, verifications: np.ndarray, first_accepted: np.ndarray,
-                      states: np.ndarray, explore: bool = True) -> np.ndarray:
-        """[N, K] per request: the position rates of the state its last verification
-        left, scaled by its first-draft acceptances over what its states predicted
-        (`verifications` [N, NUM_OUTCOMES]: its verifications per state it was in; every
-        verification reaches the first draft, so the ratio is fair), shrunk toward 1 by
-        `request_weight` pseudo-verifications; plus optimism for little history."""
+                      states: np.ndarray, explore: bool = True,
+                      unverified: np.ndarray | None = None,
+                      produced: np.ndarray | None = None) -> np.ndarray:
+        """[N, K] per request: the rates of the state its last verification left and of
+        the span it is in (`produced`: its output tokens; 0 if None), scaled by its
+        first-draft acceptances over what its states predicted (`verifications`
+        [N, NUM_OUTCOMES]: its verifications per state it was in; every verification
+        reaches the first draft, so the ratio is fair), shrunk toward 1 by
+        `request_weight` pseudo-verifications; plus optimism for little history.
+
+        A request's record and state fade, by half per `evidence_half_life` output
+        tokens it made since its last verification (`unverified`; none if None), to
+        its span's rates: a request that drafts nothing is never verified, so without
+        this an early run of rejections parks it for good (measured: ngram at 4
+        running, 315 of 403 request-steps parked in state "none accepted", while its
+        drafts past the 32nd token are accepted 0.6-0.75 of the time)."""
         s = self.settings
         pooled = self.pooled_rates()
-        rates = self.position_rates(pooled)
-        first = float(pooled[0]) if rates.shape[1] else 0.0
+        by_state, by_span = self.position_rates(pooled), self.span_rates(pooled)
+        cells = self.cell_rates(pooled, by_state, by_span)
+        spans = span_of(produced) if produced is not None else np.zeros(len(states), dtype=int)
+        own = cells[states, spans]
+        if unverified is not None:
+            weight = (0.5 ** (np.asarray(unverified, dtype=float) / s.evidence_half_life))
+            verifications = verifications * weight[:, None]
+            first_accepted = first_accepted * weight
+            own = own * weight[:, None] + by_span[spans] * (1.0 - weight[:, None])
+        first = float(pooled[0]) if len(pooled) else 0.0
         pseudo = s.request_weight * first
-        expected = verifications @ rates[:, 0] if rates.shape[1] else 0.0
+        expected = verifications @ by_state[:, 0] if len(pooled) else 0.0
         scale = (first_accepted + pseudo) / (expected + pseudo) if first > 0 else 1.0
         # Optimism shrinks with the request's own history and with the method's: once
         # the batch has verified hundreds of drafts, a fresh request is most likely
         # like them, and exploring it costs verification rows (and maybe a drafter
         # pass) that a batch of 64 pays on every request it tries.
-        seen = float(self.reached[:, 0].sum())
+        seen = float(self.reached[..., 0].sum())
         method_doubt = np.sqrt(s.prior_weight / (s.prior_weight + seen))
         bonus = s.explore * explore * method_doubt / (1.0 + verifications.sum(axis=1))
-        return np.clip(rates[states] * np.reshape(scale, (-1, 1)) + bonus[:, None], 0.0, 0.99)
+        return np.clip(own * np.reshape(scale, (-1, 1)) + bonus[:, None], 0.0, 0.99)
 
 
 class ForecastCheck:
@@ -174,14 +238,18 @@ class GoodputPolicy:
     def caps(self, verifications: np.ndarray, first_accepted: np.ndarray,
              states: np.ndarray, rule_k: np.ndarray,
              behind: np.ndarray | None = None,
-             remaining: np.ndarray | None = None) -> np.ndarray:
+             remaining: np.ndarray | None = None,
+             unverified: np.ndarray | None = None,
+             produced: np.ndarray | None = None) -> np.ndarray:
         """[N] the k cap of each running request (its verifications so far per state it
         was in [N, NUM_OUTCOMES], how many accepted their first draft, the state its last
         one left; rule_k: the k the rule allows it now; behind: the rows its drafter must
         catch up before its first draft, none if None; remaining: given only when the
         batch is closed (nothing waits, nobody joins), the output tokens each may still
-        make, see scheduler/finish_plan.py). Also sets `new_request_cap`, the cap of a
-        request with no history in this batch."""
+        make, see scheduler/finish_plan.py; unverified: the output tokens each made
+        since its last verification, whose record fades by them; produced: its output
+        tokens, which say its span of the answer). Also sets
+        `new_request_cap`, the cap of a request with no history in this batch."""
         num = len(rule_k)
         planned = remaining is not None and num > 0 and self.settings.finish_when_closed
         if planned and self._idle_steps > 0 and num == self._idle_num:
@@ -195,7 +263,10 @@ class GoodputPolicy:
         gains = np.cumprod(self.acceptance.request_rates(
             np.concatenate([verifications, np.zeros((1, NUM_OUTCOMES), dtype=np.int64)]),
             np.concatenate([first_accepted, fresh]),
-            np.concatenate([states, fresh + FRESH]), explore=not planned), axis=1)
+            np.concatenate([states, fresh + FRESH]), explore=not planned,
+            unverified=None if unverified is None else np.concatenate([unverified, fresh]),
+            produced=None if produced is None else np.concatenate([produced, fresh])),
+            axis=1)
         gains = np.minimum(gains * self.check.factor, 0.99)
         limit = np.concatenate([rule_k, [self.max_k]])
         catch_up = np.zeros(num, dtype=np.int64) if behind is None else behind
@@ -257,11 +328,12 @@ class GoodputPolicy:
         return float(g[best - 1]) if best > 0 else np.inf
 
     def observe_step(self, verified: list[int], accepted: list[int], states: list[int],
-                     rows: tuple[int, int, int, int], seconds: float | None) -> None:
+                     rows: tuple[int, int, int, int], seconds: float | None,
+                     produced: list[int] | None = None) -> None:
         """What a step's results teach: its verifications (with the state each request
-        was in), and its time if measured, with its rows: target, logit, drafter, and
-        the drafter's forward passes."""
-        self.acceptance.record(verified, accepted, states)
+        was in and its output tokens then), and its time if measured, with its rows:
+        target, logit, drafter, and the drafter's forward passes."""
+        self.acceptance.record(verified, accepted, states, produced)
         self.check.settle(sum(accepted), sum(verified))
         if seconds is not None:
             self.time_model.observe(*rows, seconds)

@@ -163,11 +163,15 @@ class Request:
         self.verifications_by_state = [0] * NUM_OUTCOMES
         self.num_first_accepted = 0
         self.last_outcome = FRESH
+        # Its output tokens at its last verification: what a request's record says
+        # fades while it drafts nothing (`GoodputSettings.evidence_half_life`).
+        self.last_verified_output = 0
 
     def record_verification(self, verified: int, accepted: int) -> None:
         """`verified` drafts checked by the target, the first `accepted` of them right."""
         self.verifications_by_state[self.last_outcome] += 1
         self.num_first_accepted += accepted > 0
+        self.last_verified_output = len(self.output_token_ids)
         if verified:
             self.last_outcome = outcome(verified, accepted)
 

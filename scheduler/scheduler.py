@@ -252,7 +252,8 @@ class Scheduler:
             room = self.config.max_model_len - c.num_tokens
             remaining = np.minimum(c.max_tokens - c.num_output, room)
         return self.policy.caps(c.verifications, c.first_accepted, c.last_outcome, rule_k,
-                                c.behind, remaining=remaining)
+                                c.behind, remaining=remaining, unverified=c.unverified,
+                                produced=c.num_output)
 
     def _num_blocks(self, request: Request) -> int:
         return len(self.kv.req_blocks.get(request.request_id, ()))
@@ -398,7 +399,8 @@ class Scheduler:
                                  record.num_computed[live][:num_running].tolist())
 
     def _teach_policy(self, out: SchedulerOutput, result: ModelRunnerOutput,
-                      verified: list[int], accepted: list[int], states: list[int]) -> None:
+                      verified: list[int], accepted: list[int], states: list[int],
+                      produced: list[int]) -> None:
         """The goodput policy learns from each step: its verifications, and its time
         against the rows the runner built (as charged, if it reported none)."""
         assert self.policy is not None
@@ -407,7 +409,7 @@ class Scheduler:
         drafter = sum(rows.values()) - target
         self.policy.observe_step(verified, accepted, states,
                                  (target, self._logit_rows, drafter, self._drafter_passes),
-                                 result.step_seconds)
+                                 result.step_seconds, produced)
         if result.step_seconds is not None and self._predicted_seconds is not None:
             self.stats.goodput.record_time(self._predicted_seconds, result.step_seconds)
 
@@ -463,6 +465,7 @@ class Scheduler:
         verified_counts: list[int] = []
         accepted_counts: list[int] = []
         states: list[int] = []  # each verifying request's state before it (goodput)
+        produced: list[int] = []  # ... and its output tokens then
         for rid, sampled in in_schedule_order(scheduler_output, runner_output):
             request = requests.get(rid)
             if request is None:
@@ -479,6 +482,7 @@ class Scheduler:
                 verified_counts.append(verified)
                 accepted_counts.append(accepted)
                 states.append(request.last_outcome)
+                produced.append(request.num_output_tokens)
                 request.record_verification(verified, accepted)
             num_before = len(request.output_token_ids)
             status = append_tokens(request, sampled, max_model_len)
@@ -503,7 +507,7 @@ class Scheduler:
         self.stats.spec.record_many(verified_counts, accepted_counts)
         if self.policy is not None:
             self._teach_policy(scheduler_output, runner_output, verified_counts,
-                               accepted_counts, states)
+                               accepted_counts, states, produced)
         if finished:  # (running requests left unscheduled this step stay as they are)
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs

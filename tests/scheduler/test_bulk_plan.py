@@ -93,7 +93,7 @@ def planned(rule: ThrottleRule, reqs: list[FakeRunning], remaining: list[int],
     counters = RunningCounters(
         *(column(f) for f in ("computed", "tokens", "spec", "output", "max_tokens", "blocks")),
         np.array([_drafter(r) for r in reqs], dtype=np.int64),
-        *(column(f) for f in ("accepted", "last_outcome")),
+        *(column(f) for f in ("accepted", "last_outcome")), column("output"),
         np.zeros((len(reqs), NUM_OUTCOMES), dtype=np.int64) + column("reached")[:, None])
     record = StepRecord(rule, 0, len(reqs))
     record.remaining = list(remaining)

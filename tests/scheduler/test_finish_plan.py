@@ -16,6 +16,7 @@ from engine.simulate import synthetic_step_time
 from runner.simulated import SimulatedRunner
 from scheduler.finish_plan import finish_caps
 from scheduler.goodput import GoodputPolicy
+from scheduler.request import FRESH
 from tests.helpers import make_request, make_scheduler, run_step
 from tests.scheduler.test_goodput import K, history, policy
 
@@ -154,7 +155,10 @@ def test_a_closed_batch_is_planned_without_the_optimism_of_fresh_requests() -> N
     hopeful = gp.acceptance.request_rates(*fresh)
     plain = gp.acceptance.request_rates(*fresh, explore=False)
     assert (hopeful > plain).all()
-    assert np.allclose(plain, gp.acceptance.position_rates()[0])
+    est = gp.acceptance
+    pooled = est.pooled_rates()
+    cells = est.cell_rates(pooled, est.position_rates(pooled), est.span_rates(pooled))
+    assert np.allclose(plain, cells[FRESH, 0])  # a fresh request, in an answer's first span
 
 
 def test_a_plan_that_drafts_nothing_by_a_clear_margin_is_kept_a_few_steps(

@@ -80,11 +80,11 @@ def test_acceptance_counts_only_reached_positions() -> None:
     never reached (a rejection before it), so it says nothing about position 2."""
     est = AcceptanceEstimates(4, GoodputSettings(prior_weight=0.0, decay=1.0))
     est.record([3], [1])
-    assert est.reached[FRESH].tolist() == [1, 1, 0, 0]
-    assert est.accepted[FRESH].tolist() == [1, 0, 0, 0]
+    assert est.reached[FRESH, 0].tolist() == [1, 1, 0, 0]
+    assert est.accepted[FRESH, 0].tolist() == [1, 0, 0, 0]
     est.record([4, 2], [4, 2])
-    assert est.reached[FRESH].tolist() == [3, 3, 1, 1]
-    assert est.accepted[FRESH].tolist() == [3, 2, 1, 1]
+    assert est.reached[FRESH, 0].tolist() == [3, 3, 1, 1]
+    assert est.accepted[FRESH, 0].tolist() == [3, 2, 1, 1]
     assert not est.reached[FRESH + 1:].any()  # no state given: every one is FRESH
 
 
@@ -192,6 +192,54 @@ def test_a_request_that_keeps_rejecting_stops_drafting() -> None:
     got = gp.caps(history([200, 200, 0]), np.array([0, 195, 0]), np.zeros(3, dtype=int),
                   np.full(3, K))
     assert got[0] == 0 and got[1] == K and 0 < got[2] < K
+
+
+def test_drafts_are_rated_by_the_span_of_the_answer_they_are_in() -> None:
+    """A lookup drafter copies more as the answer grows: drafts made in the first 16
+    output tokens are accepted 0.1 of the time, past 64 tokens 0.7, whatever the state.
+    Two requests alike but for their output length: the early one drafts nothing, the
+    late one drafts. The (state, span) cell never seen, "all accepted" early, is rated
+    by its row and its column: below "all accepted" late, above "none accepted" early."""
+    gp = policy("ngram", 0.02, 0.002, acceptance=0.4)
+    rng = np.random.default_rng(6)
+    for produced, rate in ((4, 0.1), (80, 0.7)):
+        for state in (NONE_ACCEPTED, ALL_ACCEPTED):
+            if state == ALL_ACCEPTED and produced == 4:
+                continue
+            accepted = np.minimum(rng.geometric(1 - rate, 300) - 1, K)
+            gp.acceptance.record([K] * 300, accepted.tolist(), [state] * 300, [produced] * 300)
+    past, first = history([20, 20]), np.array([8, 8])
+    got = gp.caps(past, first, np.full(2, NONE_ACCEPTED), np.full(2, K),
+                  produced=np.array([4, 80]))
+    assert got[0] == 0 < got[1]
+    rates = gp.acceptance.request_rates(history([0] * 3), np.zeros(3),
+                                        np.array([ALL_ACCEPTED, ALL_ACCEPTED, NONE_ACCEPTED]),
+                                        explore=False, produced=np.array([4, 80, 4]))
+    assert rates[2, 0] < rates[0, 0] < rates[1, 0]
+
+
+def test_a_parked_requests_record_fades_back_to_the_method_rates() -> None:
+    """A request whose 12 drafts were all rejected, and whose last verification left
+    "none accepted", drafts nothing next; once it has made 64 tokens unverified (four
+    half-lives), its record and state count for little and it is rated by what the
+    method's drafts in its span of the answer got: it drafts again. Without the fading
+    it never would, since a request that drafts nothing is never verified again. (A
+    row costs a tenth of a step here, so a draft needs 0.1 tokens.)"""
+    gp = policy("ngram", 0.02, 0.002, acceptance=0.5)
+    rng = np.random.default_rng(4)
+    gp.acceptance.record([K] * 400, np.minimum(rng.geometric(0.8, 400) - 1, K).tolist(),
+                         [NONE_ACCEPTED] * 400)  # the state predicts rejections
+
+    def capped(unverified: int | None) -> int:
+        return int(gp.caps(history([12]), np.zeros(1, dtype=int),
+                           np.array([NONE_ACCEPTED]), np.full(1, K),
+                           unverified=None if unverified is None else np.array([unverified]))[0])
+
+    assert capped(None) == capped(0) == 0
+    assert capped(64) > 0
+    rates = gp.acceptance.request_rates(history([12]), np.zeros(1), np.array([NONE_ACCEPTED]),
+                                        explore=False, unverified=np.array([1000]))
+    np.testing.assert_allclose(rates[0], gp.acceptance.span_rates()[0], atol=1e-3)
 
 
 def test_a_fresh_request_gets_less_optimism_as_the_method_is_measured() -> None:
@@ -358,7 +406,7 @@ def test_a_pass_that_runs_only_for_drafts_is_priced_whole() -> None:
         gp.observe_step([], [], [], rows, clock(rows) + float(rng.normal(0, 0.0005)))
     rates = np.full((NUM_OUTCOMES, K), 0.6)
     gp.acceptance.reached[:] = 1e6
-    gp.acceptance.accepted[:] = rates * 1e6
+    gp.acceptance.accepted[:] = rates[:, None, :] * 1e6
     past, first = history([100] * 16), np.full(16, 60)
     alone = gp.caps(past, first, np.array([ALL_ACCEPTED] + [NONE_ACCEPTED] * 15),
                     np.array([K] + [0] * 15))
@@ -421,12 +469,44 @@ def test_the_scheduler_keeps_each_requests_last_outcome() -> None:
         assert sched.policy.acceptance.reached[state].any()
 
 
+def test_the_scheduler_tells_the_policy_how_long_each_request_went_unverified(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The policy is forced to park the request from its fifth step on; the tokens it
+    is told the request made since its last verification are counted here apart,
+    from the steps that verified drafts and the tokens each step made."""
+    sched = make_scheduler("ngram", k=K, budget=256, draft_policy="goodput")
+    assert sched.policy is not None
+    seen: list[int] = []
+    real_caps = sched.policy.caps
+
+    def caps(*args, unverified=None, **kw):  # type: ignore[no-untyped-def]
+        got = real_caps(*args, unverified=unverified, **kw)
+        if unverified is None:  # nothing running yet
+            return got
+        seen.append(int(unverified[0]))
+        return got * 0 if len(seen) >= 5 else got
+
+    monkeypatch.setattr(sched.policy, "caps", caps)
+    runner = SimulatedRunner(sched, acceptance=0.5, seed=1)
+    sched.add_request(make_request("r", 8, max_tokens=30, ignore_eos=True))
+    run_step(sched, runner)  # the prompt: no caps asked
+    want, made, last_verified = [], sched.requests["r"].num_output_tokens, 0
+    for _ in range(12):
+        want.append(made - last_verified)
+        out, _ = run_step(sched, runner)
+        if out.scheduled_spec_decode_tokens.get("r"):
+            last_verified = made
+        made = sched.requests["r"].num_output_tokens
+    assert seen == want
+    assert want[-1] >= 7  # parked for the last steps, so the count grew
+
+
 def test_a_policy_asking_past_the_rule_is_held_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Broken on purpose: caps far above K. The scheduler takes min(rule, cap), so the
     strict runner (which re-derives the rule) accepts every step and drains."""
     monkeypatch.setattr(GoodputPolicy, "caps",
-                        lambda self, reached, accepted, states, rule_k, behind=None,
-                        remaining=None: np.full(len(rule_k), 99))
+                        lambda self, reached, accepted, states, rule_k, *args, **kwargs:
+                        np.full(len(rule_k), 99))
     sched = make_scheduler("pard", k=K, budget=64, max_model_len=48, draft_policy="goodput")
     runner = SimulatedRunner(sched, acceptance=1.0, seed=0)
     sched.add_request(make_request("r", 10, max_tokens=60, ignore_eos=True))
