@@ -21,6 +21,7 @@ from scheduler.goodput import (
     GoodputSettings,
     StepTimeModel,
     reaching_by_state,
+    span_of,
 )
 from scheduler.request import (
     ALL_ACCEPTED,
@@ -467,6 +468,39 @@ def test_the_scheduler_keeps_each_requests_last_outcome() -> None:
             run_step(sched, runner)
         assert sched.requests["r"].last_outcome == state
         assert sched.policy.acceptance.reached[state].any()
+
+
+def test_the_scheduler_records_each_verification_at_its_span_of_the_answer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every verification is learnt under the span its request's output length was in
+    when it drafted: counted here apart from the steps, as output tokens before each
+    step that verified drafts."""
+    sched = make_scheduler("ngram", k=K, budget=256, draft_policy="goodput",
+                           max_model_len=512)
+    assert sched.policy is not None
+    seen: list[list[int] | None] = []
+    real = sched.policy.acceptance.record
+
+    def record(verified, accepted, states=None, produced=None):  # type: ignore[no-untyped-def]
+        if verified:
+            seen.append(None if produced is None else list(produced))
+        return real(verified, accepted, states, produced)
+
+    monkeypatch.setattr(sched.policy.acceptance, "record", record)
+    runner = SimulatedRunner(sched, acceptance=0.7, seed=2)
+    sched.add_request(make_request("r", 8, max_tokens=90, ignore_eos=True))
+    want = []
+    while sched.has_unfinished_requests():
+        before = sched.requests["r"].num_output_tokens
+        out, _ = run_step(sched, runner)
+        if out.scheduled_spec_decode_tokens.get("r"):
+            want.append([before])
+    assert seen == want and len(want) > 5
+    spans = span_of([w[0] for w in want])
+    assert spans.max() >= 2  # past 32 tokens: the test reaches a later span
+    reached = sched.policy.acceptance.reached[..., 0].sum(axis=0)  # per span
+    assert (reached[np.unique(spans)] > 0).all()
+    assert not reached[np.setdiff1d(np.arange(len(reached)), spans)].any()
 
 
 def test_the_scheduler_tells_the_policy_how_long_each_request_went_unverified(
