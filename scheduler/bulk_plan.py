@@ -102,10 +102,13 @@ def plan_bulk(record: StepRecord, requests: Sequence[Request], counters: Running
         n = np.minimum(n, long_prefill_threshold)
     samples = n >= first
     s = np.where(samples, n - first, 0)
-    k = rule.k(c.num_tokens, c.num_output, c.max_tokens, s)
-    if max_drafts is not None:
-        k = np.minimum(k, max_drafts)
-    k = np.where(samples, k, 0)
+    if max_drafts is not None and not max_drafts.any():
+        k = np.zeros_like(s)  # nobody drafts (a held plan): the rule's k cannot matter
+    else:
+        k = rule.k(c.num_tokens, c.num_output, c.max_tokens, s)
+        if max_drafts is not None:
+            k = np.minimum(k, max_drafts)
+        k = np.where(samples, k, 0)
     # Context passes take each request's context rows (parked: 0; behind: n + b), the
     # target pass n.
     context = context_rows(rule.parks, n, k, c.behind, samples)

@@ -234,6 +234,7 @@ class GoodputPolicy:
         self.new_request_cap = rule.max_k  # for requests admitted this step
         # Closed-batch plans left to skip, and the running count they were made for.
         self._idle_steps = self._idle_num = 0
+        self._held = False  # whether this step's caps held such a plan
 
     def caps(self, verifications: np.ndarray, first_accepted: np.ndarray,
              states: np.ndarray, rule_k: np.ndarray,
@@ -252,11 +253,9 @@ class GoodputPolicy:
         `new_request_cap`, the cap of a request with no history in this batch."""
         num = len(rule_k)
         planned = remaining is not None and num > 0 and self.settings.finish_when_closed
-        if planned and self._idle_steps > 0 and num == self._idle_num:
-            self._idle_steps -= 1  # the last plan drafted nothing by a clear margin
-            self.new_request_cap = 0
-            self.check.expect(0.0, 0)
-            return np.zeros(num, dtype=np.int64)
+        if planned and self.holding(num):
+            return self.hold()
+        self._held = False
         fresh = np.zeros(1, dtype=np.int64)
         # A plan for a closed batch drafts every request alike or not at all, so
         # optimism there would try drafts on the whole batch at once: at the mean.
@@ -281,6 +280,20 @@ class GoodputPolicy:
         self.new_request_cap = int(caps[num])
         self.check.expect(float(gains[:num][chosen[:num]].sum()), int(caps[:num].sum()))
         return caps[:num]
+
+    def holding(self, num: int) -> bool:
+        """Whether a closed batch of `num` running requests still holds a plan that
+        drafted nothing by a clear margin (`_finish_plan`): then `hold` is this step's
+        caps, and the scheduler need not work out the rule's k first."""
+        return self._idle_steps > 0 and num == self._idle_num
+
+    def hold(self) -> np.ndarray:
+        """This step's caps while `holding`: nobody drafts."""
+        self._idle_steps -= 1
+        self._held = True
+        self.new_request_cap = 0
+        self.check.expect(0.0, 0)
+        return np.zeros(self._idle_num, dtype=np.int64)
 
     def _finish_plan(self, gains: np.ndarray, remaining: np.ndarray,
                      catch_up: np.ndarray) -> np.ndarray:
@@ -332,8 +345,9 @@ class GoodputPolicy:
                      produced: list[int] | None = None) -> None:
         """What a step's results teach: its verifications (with the state each request
         was in and its output tokens then), and its time if measured, with its rows:
-        target, logit, drafter, and the drafter's forward passes."""
+        target, logit, drafter, and the drafter's forward passes. A step that held a
+        plan only joins the time model's sums: its next plan refits."""
         self.acceptance.record(verified, accepted, states, produced)
         self.check.settle(sum(accepted), sum(verified))
         if seconds is not None:
-            self.time_model.observe(*rows, seconds)
+            self.time_model.observe(*rows, seconds, refit=not self._held)

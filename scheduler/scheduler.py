@@ -245,10 +245,14 @@ class Scheduler:
             self.policy.caps(np.zeros((0, NUM_OUTCOMES), dtype=np.int64), empty, empty, empty)
             return None
         c = counters
+        closed = self.arrivals_closed and not self.waiting
+        if closed and self.policy.settings.finish_when_closed \
+                and self.policy.holding(len(c.num_tokens)):
+            return self.policy.hold()  # most steps of a closed batch under load
         s = c.num_spec  # verified next if the whole chunk fits (the bulk plan's case)
         rule_k = self.rule.k(c.num_tokens, c.num_output, c.max_tokens, s)
         remaining = None
-        if self.arrivals_closed and not self.waiting:  # a closed batch: what each may make
+        if closed:  # a closed batch: what each may make
             room = self.config.max_model_len - c.num_tokens
             remaining = np.minimum(c.max_tokens - c.num_output, room)
         return self.policy.caps(c.verifications, c.first_accepted, c.last_outcome, rule_k,

@@ -83,7 +83,8 @@ class StepTimeModel:
         self._prior_moment = self.prior_precision @ self.prior
         self.gram = np.zeros((len(self.prior), len(self.prior)))  # decayed sum of x x'
         self.moment = np.zeros(len(self.prior))  # decayed sum of x * seconds
-        self.theta = self.prior.copy()
+        self._theta = self.prior.copy()  # as last fitted (`theta` refits first)
+        self._fitted = True
         self._cov: np.ndarray | None = None  # of theta, in units of noise_var (`cov`)
         self.noise_var = 1e-6  # of one step's time around the fit (s^2): ~1 ms to start
         self.forgetting = settings.forgetting
@@ -117,8 +118,26 @@ class StepTimeModel:
                           @ self.theta, 1e-6)
 
     def predict_one(self, target: int, logits: int, drafter: int, passes: int) -> float:
-        return max(float(self.features_one(target, logits, drafter, passes) @ self.theta),
+        """`predict` for one step, by the fit as it stood when the policy last planned
+        with it (no refit: this prices every step for the metrics, planned or held)."""
+        return max(float(self.features_one(target, logits, drafter, passes) @ self._theta),
                    1e-6)
+
+    @property
+    def theta(self) -> np.ndarray:
+        """The fit's coefficients, refitted first if steps joined the sums unfitted
+        (`observe(refit=False)`): a closed batch holding a plan that drafts nothing
+        (most steps under load) defers the solve to its next plan, since a step's
+        Python costs 3-5x in place what it does alone (measured at 16 running: the
+        forward evicts the scheduler's code and data from the caches)."""
+        self._refresh()
+        return self._theta
+
+    def _refresh(self) -> None:
+        if not self._fitted:
+            self._theta = self._fit(self.prior_precision + self.gram,
+                                    self._prior_moment + self.moment)
+            self._fitted = True
 
     def predict_optimistic(self, target: np.ndarray, logits: np.ndarray,
                            drafter: np.ndarray, passes: np.ndarray) -> np.ndarray:
@@ -144,19 +163,23 @@ class StepTimeModel:
         return self._cov
 
     def observe(self, target: int, logits: int, drafter: int, passes: int,
-                seconds: float) -> None:
+                seconds: float, refit: bool = True) -> None:
+        """Add a step to the fit. With `refit` False (a step the policy planned nothing
+        for) the step only joins the sums, and the noise is left as it is: it is learnt
+        from residuals against a current fit, before each update, so a step the fit has
+        seen does not make it look smaller than it is."""
         x = self.features_one(target, logits, drafter, passes)
-        residual = seconds - float(x @ self.theta)
-        # The noise is learnt from the residuals before each update, so a step the fit
-        # has seen does not make the noise look smaller than it is.
-        self.noise_var += (1.0 - self.forgetting) * (residual * residual - self.noise_var)
+        if refit:
+            residual = seconds - float(x @ self.theta)
+            self.noise_var += (1.0 - self.forgetting) * (residual * residual - self.noise_var)
         self.gram *= self.forgetting
         self.gram += np.outer(x, x)
         self.moment *= self.forgetting
         self.moment += x * seconds
         self._cov = None  # inverted when an optimistic price asks for it, not per step
-        self.theta = self._fit(self.prior_precision + self.gram,
-                               self._prior_moment + self.moment)
+        self._fitted = False
+        if refit:
+            self._refresh()
         self.num_observed += 1
 
     def _fit(self, precision: np.ndarray, moment: np.ndarray) -> np.ndarray:

@@ -5,6 +5,7 @@ scheduler/finish_plan.py."""
 
 from __future__ import annotations
 
+import copy
 from itertools import pairwise
 
 import numpy as np
@@ -183,3 +184,45 @@ def test_a_plan_that_drafts_nothing_by_a_clear_margin_is_kept_a_few_steps(
     for _ in range(3):
         assert (closed_caps(cheap, [48] * 6) > 0).all()
     assert len(calls) == 3  # drafting: planned every step
+
+
+def test_a_held_step_joins_the_time_models_sums_and_the_next_plan_refits() -> None:
+    """A step whose caps held the last plan is observed without a refit: the metrics'
+    price stays the plan's, and the next plan prices from a fit over every step,
+    held ones included (the same fit as refitting at each of them)."""
+    gp = policy("ngram", 0.002, 0.001, acceptance=0.2)
+    eager = copy.deepcopy(gp.time_model)
+    closed_caps(gp, [48] * 6, accepted=4)  # plans, and holds for the next steps
+    assert gp.holding(6)
+    before = gp.time_model.predict_one(6, 6, 0, 0)
+    noise = gp.time_model.noise_var
+    clock = synthetic_step_time(0.01, 0.004)  # steps slower than the fit thinks
+    for _ in range(3):
+        assert closed_caps(gp, [48] * 6, accepted=4).tolist() == [0] * 6
+        seconds = clock({"target": 6})
+        gp.observe_step([], [], [], (6, 6, 0, 0), seconds)
+        eager.observe(6, 6, 0, 0, seconds)
+        assert gp.time_model.predict_one(6, 6, 0, 0) == before
+    assert gp.time_model.noise_var == noise
+    assert np.allclose(gp.time_model.theta, eager.theta)
+    assert gp.time_model.predict_one(6, 6, 0, 0) > before
+
+
+def test_a_scheduler_holding_a_plan_skips_the_rules_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the policy holds a closed batch's plan the scheduler asks nothing else of
+    it: neither the rule's k nor a plan, and nobody drafts."""
+    scheduler = make_scheduler("ngram", k=K, budget=256, draft_policy="goodput")
+    gp = scheduler.policy
+    assert gp is not None
+    runner = SimulatedRunner(scheduler, seed=0, acceptance=0.0)
+    for i in range(4):
+        scheduler.add_request(make_request(f"r{i}", prompt_len=8, max_tokens=40))
+    scheduler.arrivals_closed = True
+    run_step(scheduler, runner)
+    gp._idle_steps, gp._idle_num = 5, len(scheduler.running)
+    calls = []
+    rule_k = scheduler.rule.k
+    monkeypatch.setattr(scheduler.rule, "k", lambda *a: calls.append(1) or rule_k(*a))
+    out, _ = run_step(scheduler, runner)
+    assert calls == [] and gp._idle_steps == 4
+    assert not out.scheduled_spec_decode_tokens
