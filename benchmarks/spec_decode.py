@@ -12,7 +12,10 @@ Heads (eagle, mtp, parallel, dflash) run as trained by `specbudget train-drafter
 when the model cache has one (`head: trained`); each also runs once with an untrained
 head (`"model": "random"`, `head: random`), a labelled lower bound: it accepts
 nothing, so it shows the cost of drafting inside the budget. A third workload,
-`held-out`, asks the instructions that drafter training keeps out of its data.
+`held-out`, asks the instructions that drafter training keeps out of its data. With
+`--serve-first`, each engine first serves as many training-split instructions, left out
+of every figure: the goodput policy is measured as a running server has it, its
+estimates learnt, rather than from a fresh engine's prior.
 
     python benchmarks/spec_decode.py [--quick] [--methods ngram,suffix,...] [--out PATH]
 """
@@ -84,9 +87,22 @@ def head_variants(method: str, model_path: Path, random_heads: bool) -> list[str
 Config = tuple[str | None, str, int, str | None]  # method, policy, K, head
 
 
-def engine_for(model: LlamaForCausalLM, config: Config, concurrency: int) -> LLM:
-    """A fresh engine for one configuration, warmed up by one short request (left out
-    of every figure)."""
+Served = tuple[list[str], int]  # prompts an engine serves before it is measured, max_tokens
+
+
+def served_first(size: int, max_tokens: int) -> Served:
+    """`size` training-split instructions, spread over its topics: what an engine that
+    has been serving this kind of traffic saw before the measured batch (held-out
+    instructions never appear there)."""
+    train = instructions("train")
+    return train[::max(len(train) // size, 1)][:size], max_tokens
+
+
+def engine_for(model: LlamaForCausalLM, config: Config, concurrency: int,
+               warm: Served | None = None) -> LLM:
+    """A fresh engine for one configuration, warmed up by one short request and, with
+    `warm`, by serving those prompts (left out of every figure): the goodput policy
+    then starts from the estimates a running server has, not from its prior."""
     method, policy, k, head = config
     spec: dict | None = ({"method": method, "num_speculative_tokens": k,
                           "draft_policy": policy} if method else None)
@@ -95,14 +111,18 @@ def engine_for(model: LlamaForCausalLM, config: Config, concurrency: int) -> LLM
     llm = LLM(loaded_model=model, speculative_config=spec, max_num_batched_tokens=256,
               max_num_seqs=concurrency, max_model_len=1024)
     llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    if warm is not None:
+        prompts, max_tokens = warm
+        llm.chat([[{"role": "user", "content": p}] for p in prompts],
+                 SamplingParams(max_tokens=max_tokens), use_tqdm=False)
     return llm
 
 
 def run_one(model: LlamaForCausalLM, method: str | None, prompts: list[str], k: int,
             max_tokens: int, head: str | None = None, concurrency: int = 16,
-            policy: str = "goodput") -> dict:
+            policy: str = "goodput", warm: Served | None = None) -> dict:
     config = (method, policy, k, head)
-    llm = engine_for(model, config, concurrency)
+    llm = engine_for(model, config, concurrency, warm)
     before = llm.get_metrics()
     chats = [[{"role": "user", "content": p}] for p in prompts]
     start = time.perf_counter()
@@ -111,7 +131,7 @@ def run_one(model: LlamaForCausalLM, method: str | None, prompts: list[str], k: 
 
 
 def run_pair(model: LlamaForCausalLM, config: Config, prompts: list[str], max_tokens: int,
-             concurrency: int) -> tuple[dict, dict]:
+             concurrency: int, warm: Served | None = None) -> tuple[dict, dict]:
     """Speculation off and `config` on the same prompts, stepped alternately (each
     step of one, then each of the other, who goes first swapping every step), each
     timed by the sum of its own steps: this machine's speed drifts by tens of percent
@@ -119,7 +139,7 @@ def run_pair(model: LlamaForCausalLM, config: Config, prompts: list[str], max_to
     difference between configurations; steps ~50 ms apart see the same machine.
     Returns (off's record, the configuration's)."""
     configs = ((None, "off", config[2], None), config)
-    engines = [engine_for(model, c, concurrency) for c in configs]
+    engines = [engine_for(model, c, concurrency, warm) for c in configs]
     befores = [llm.get_metrics() for llm in engines]
     params = SamplingParams(max_tokens=max_tokens)
     rendered = [engines[0].tokenizer.apply_chat_template([{"role": "user", "content": p}])
@@ -155,7 +175,8 @@ def record(llm: LLM, config: Config, before: dict, outs: list, seconds: float) -
     return {
         "method": method or "off", "num_speculative_tokens": k if method else 0,
         "draft_policy": policy if method else None,
-        "chosen_k": metrics["draft_policy"]["chosen_k"] if method else None,
+        "chosen_k": (_since(metrics["draft_policy"]["chosen_k"],
+                            before["draft_policy"]["chosen_k"]) if method else None),
         "head": (head or "trained") if is_head_method(method) else None,
         "output_tokens": tokens, "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 2),
@@ -166,6 +187,11 @@ def record(llm: LLM, config: Config, before: dict, outs: list, seconds: float) -
         "theoretical_tokens_per_step": theoretical_tokens_per_step(alpha, k) if method else 1.0,
         "outputs": [o.outputs[0].token_ids for o in outs],
     }
+
+
+def _since(counts: list[int], before: list[int]) -> list[int]:
+    """A histogram's counts since `before` (which may have fewer bins)."""
+    return [n - (before[i] if i < len(before) else 0) for i, n in enumerate(counts)]
 
 
 def pass_order(num_configs: int, repeat: int, repeats: int) -> list[int]:
@@ -215,8 +241,9 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def run_passes(model: LlamaForCausalLM, configs: list[Config], batch: list[str],
                max_tokens: int, concurrency: int, repeats: int, warm: bool,
-               paired_steps: bool = False) -> tuple[dict[int, list[dict]],
-                                                    dict[int, list[dict]]]:
+               paired_steps: bool = False,
+               serve: Served | None = None) -> tuple[dict[int, list[dict]],
+                                                     dict[int, list[dict]]]:
     """Every configuration's runs, by its index, and the runs of speculation off each
     is compared with: round-robin over the configurations, `repeats` times, each pass
     starting elsewhere in the list (this machine's speed drifts within a pass too, so
@@ -225,7 +252,8 @@ def run_passes(model: LlamaForCausalLM, configs: list[Config], batch: list[str],
     (`run_pair`); otherwise every configuration is compared with the pass's one run of
     off (configuration 0). With `warm`, a first pass, unmeasured, meets every shape
     once: oneDNN builds a kernel per new row count, so in a cold process whoever runs
-    first would pay the building for everyone after it."""
+    first would pay the building for everyone after it. `serve`: what each engine
+    serves, unmeasured, before its measured run (`engine_for`)."""
     runs_of: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
     twins_of: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
     measured = range(1, len(configs)) if paired_steps else range(len(configs))
@@ -235,9 +263,10 @@ def run_passes(model: LlamaForCausalLM, configs: list[Config], batch: list[str],
                 continue
             method, policy, k, head = configs[i]
             if paired_steps:
-                off, run = run_pair(model, configs[i], batch, max_tokens, concurrency)
+                off, run = run_pair(model, configs[i], batch, max_tokens, concurrency, serve)
             else:
-                run = run_one(model, method, batch, k, max_tokens, head, concurrency, policy)
+                run = run_one(model, method, batch, k, max_tokens, head, concurrency, policy,
+                              serve)
             if repeat >= 0:
                 runs_of[i].append(run)
                 if paired_steps:
@@ -298,6 +327,11 @@ def main(argv: list[str] | None = None) -> dict:
                         help="run each configuration step by step beside its own run "
                              "of speculation off (tok/s ratios immune to the machine's "
                              "drift over seconds)")
+    parser.add_argument("--serve-first", action="store_true",
+                        help="each engine first serves, unmeasured, as many training-split "
+                             "instructions as the measured batch holds: the goodput "
+                             "policy starts from a running server's estimates (default: "
+                             "a fresh engine's prior)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     out_path = args.out or ROOT / "benchmarks" / "results" / (
@@ -327,16 +361,18 @@ def main(argv: list[str] | None = None) -> dict:
             configs += [(method, policy, k, head)
                         for method in methods for policy, k in runs
                         for head in head_variants(method, path, not args.no_random_heads)]
+            serve = served_first(len(batch), max_tokens) if args.serve_first else None
             runs_of, twins_of = run_passes(model, configs, batch, max_tokens, conc,
                                            args.repeats, args.warm_pass and not args.quick,
-                                           args.paired_steps)
+                                           args.paired_steps, serve)
             rows += result_rows(configs, runs_of, twins_of, workload, conc)
     for row in rows:
         del row["outputs"]
     report = {"benchmark": "spec_decode", "device": "cpu",
               "dtype": str(dtype).removeprefix("torch."),
               "num_speculative_tokens": args.k, "max_tokens": max_tokens,
-              "quick": args.quick, "paired_steps": args.paired_steps, "results": rows,
+              "quick": args.quick, "paired_steps": args.paired_steps,
+              "served_first": args.serve_first, "results": rows,
               "policy_summary": summarize(rows)}
     write_report(out_path, report)
     print(f"wrote {out_path}")

@@ -100,6 +100,28 @@ def test_spec_decode_paired_steps(tmp_path: Path) -> None:
     assert all(r["seconds"] > 0 and r["steps"] > 0 for r in rows.values())
 
 
+@pytest.mark.model
+def test_spec_decode_serve_first_measures_only_the_batch_after(tmp_path: Path) -> None:
+    """With --serve-first each engine serves training-split instructions first, left
+    out of every figure: off takes the measured batch's steps either way, and the
+    policy's chosen k counts only the measured steps."""
+    from benchmarks import spec_decode
+    from training.prompts import instructions
+
+    args = ["--quick", "--methods", "ngram", "--workloads", "held-out", "--policies",
+            "goodput", "--concurrency", "4", "--paired-steps"]
+    cold = spec_decode.main([*args, "--out", str(tmp_path / "cold.json")])
+    warm = spec_decode.main([*args, "--serve-first", "--out", str(tmp_path / "warm.json")])
+    assert warm["served_first"] and not cold["served_first"]
+    rows = [{r["method"]: r for r in report["results"]} for report in (cold, warm)]
+    assert rows[0]["off"]["steps"] == rows[1]["off"]["steps"]
+    for row in (r["ngram"] for r in rows):
+        assert row["lossless"]
+        assert sum(row["chosen_k"]) <= row["steps"] * 4  # one k per sampling request-step
+    prompts, _ = spec_decode.served_first(8, 8)
+    assert len(set(prompts)) == 8 and not set(prompts) & set(instructions("eval"))
+
+
 def test_spec_decode_rotates_its_passes() -> None:
     """Each pass runs every configuration once, and over the passes a configuration
     runs at different places in the pass (not always first, not always last)."""
