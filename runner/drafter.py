@@ -212,10 +212,14 @@ class ModelDrafter:
             return
         reqs = np.flatnonzero(parked & (res.valid > 0))
         counts = res.valid[reqs]
-        offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        positions = np.repeat(res.computed[reqs], counts) + offset
-        src = np.repeat(res.q_start[reqs], counts) + offset
-        slots = self._slots(np.repeat(res.rows[reqs], counts), positions)
+        if (counts == 1).all():  # decoding: one row each (most steps)
+            positions, src, rows = res.computed[reqs], res.q_start[reqs], res.rows[reqs]
+        else:
+            offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            positions = np.repeat(res.computed[reqs], counts) + offset
+            src = np.repeat(res.q_start[reqs], counts) + offset
+            rows = np.repeat(res.rows[reqs], counts)
+        slots = self._slots(rows, positions)
         device = self.feature_cache.device
         self.feature_cache[torch.as_tensor(slots, device=device)] = \
             target_features[torch.as_tensor(src, device=device)]

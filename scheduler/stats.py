@@ -118,9 +118,12 @@ class GoodputStats:
         """The k of every sampling request of one step."""
         if not len(k):
             return
-        self.chosen_k = add_counts(self.chosen_k, np.bincount(k).tolist())
         self.num_sampling_steps += 1
-        self.num_steps_k0 += not k.any()
+        if k.any():
+            self.chosen_k = add_counts(self.chosen_k, np.bincount(k).tolist())
+            return
+        self.num_steps_k0 += 1  # most steps under load: no histogram to build
+        self.chosen_k = add_counts(self.chosen_k, [len(k)])
 
     def record_time(self, predicted: float, measured: float) -> None:
         self.num_timed_steps += 1
