@@ -193,7 +193,7 @@ def test_a_held_step_joins_the_time_models_sums_and_the_next_plan_refits() -> No
     gp = policy("ngram", 0.002, 0.001, acceptance=0.2)
     eager = copy.deepcopy(gp.time_model)
     closed_caps(gp, [48] * 6, accepted=4)  # plans, and holds for the next steps
-    assert gp.holding(6)
+    assert gp.holding(6, planned=True)
     before = gp.time_model.predict_one(6, 6, 0, 0)
     noise = gp.time_model.noise_var
     clock = synthetic_step_time(0.01, 0.004)  # steps slower than the fit thinks
@@ -219,10 +219,47 @@ def test_a_scheduler_holding_a_plan_skips_the_rules_k(monkeypatch: pytest.Monkey
         scheduler.add_request(make_request(f"r{i}", prompt_len=8, max_tokens=40))
     scheduler.arrivals_closed = True
     run_step(scheduler, runner)
-    gp._idle_steps, gp._idle_num = 5, len(scheduler.running)
+    gp._keep(0.1, len(scheduler.running), planned=True)  # 10 % short: held 5 steps
     calls = []
     rule_k = scheduler.rule.k
     monkeypatch.setattr(scheduler.rule, "k", lambda *a: calls.append(1) or rule_k(*a))
     out, _ = run_step(scheduler, runner)
     assert calls == [] and gp._idle_steps == 4
     assert not out.scheduled_spec_decode_tokens
+
+
+def test_a_step_that_drafts_nothing_by_a_clear_margin_is_kept_a_few_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per step too (requests may join): a choice that drafts nothing by a clear
+    margin is kept for the next steps, one per `idle_margin_per_step` of the margin,
+    while the count of running requests holds; a request in prefill (rule's k 0),
+    which may draft in a step or two, is never held for; a choice that drafts is
+    made again every step."""
+    calls = []
+    decide = GoodputPolicy._threshold
+    monkeypatch.setattr(GoodputPolicy, "_threshold",
+                        lambda self, *a: calls.append(1) or decide(self, *a))
+
+    def step(gp: GoodputPolicy, rule_k: list[int], accepted: int = 4) -> list[int]:
+        num = len(rule_k)
+        return gp.caps(history([40] * num), np.full(num, accepted), np.zeros(num, dtype=int),
+                       np.array(rule_k)).tolist()
+
+    gp = policy("ngram", 0.002, 0.001, acceptance=0.2)
+    assert step(gp, [K] * 6) == [0] * 6 and len(calls) == 1
+    held = gp._idle_steps
+    assert held >= 2
+    for _ in range(held):
+        assert step(gp, [K] * 6) == [0] * 6 and gp.new_request_cap == 0
+    assert len(calls) == 1
+    assert step(gp, [K] * 6) == [0] * 6 and len(calls) == 2
+    assert step(gp, [K] * 5) == [0] * 5 and len(calls) == 3  # one finished: decided again
+    calls.clear()
+    for _ in range(3):
+        assert step(gp, [0] + [K] * 3) == [0] * 4
+    assert len(calls) == 3
+    cheap = policy("ngram", 0.02, 0.0005, acceptance=0.7)
+    calls.clear()
+    for _ in range(3):
+        assert sum(step(cheap, [K] * 6, accepted=30)) > 0
+    assert len(calls) == 3
