@@ -21,6 +21,8 @@ from scheduler.config import GoodputSettings
 # Where the hinges of the step-time model sit, in rows that give logits: past each, a
 # pass is more bound by compute than by reading the weights.
 KNOTS = (16, 64, 256)
+_KNOTS = np.array(KNOTS, dtype=float)
+_NUM_FEATURES = 5 + 2 * len(KNOTS)  # constant, t - l, l, p, d and the hinges of l and d
 # Prior step-time parameters (seconds) by drafter kind. The target's: a constant, per
 # row that gives no logits (a prefill row), per row that gives logits (a verified
 # draft's row, a sampling chunk's last row: the LM head, sampling and attention over
@@ -96,11 +98,18 @@ class StepTimeModel:
     def features(target: np.ndarray, logits: np.ndarray, drafter: np.ndarray,
                  passes: np.ndarray) -> np.ndarray:
         t, d = np.asarray(target, dtype=float), np.asarray(drafter, dtype=float)
-        lg = np.asarray(logits, dtype=float) + np.zeros_like(t)
-        p = np.asarray(passes, dtype=float) + np.zeros_like(t)
-        cols = [np.ones_like(t), t - lg, lg, *(np.maximum(lg - knot, 0.0) for knot in KNOTS),
-                p, d, *(np.maximum(d - knot, 0.0) for knot in KNOTS)]
-        return np.stack(cols, axis=-1)
+        lg, p = np.asarray(logits, dtype=float), np.asarray(passes, dtype=float)
+        shape = np.broadcast_shapes(t.shape, lg.shape, d.shape, p.shape)
+        x = np.empty((*shape, _NUM_FEATURES))
+        hinges = 3 + len(KNOTS)  # where the drafter's columns start
+        x[..., 0] = 1.0
+        x[..., 1] = t - lg
+        x[..., 2] = lg
+        x[..., 3:hinges] = np.maximum(lg[..., None] - _KNOTS, 0.0)
+        x[..., hinges] = p
+        x[..., hinges + 1] = d
+        x[..., hinges + 2:] = np.maximum(d[..., None] - _KNOTS, 0.0)
+        return x
 
     @staticmethod
     def features_one(target: int, logits: int, drafter: int, passes: int) -> np.ndarray:
@@ -135,7 +144,7 @@ class StepTimeModel:
 
     def _refresh(self) -> None:
         if not self._fitted:
-            self._theta = self._fit(self.prior_precision + self.gram,
+            self._theta = self._fit(self.cov, self.prior_precision + self.gram,
                                     self._prior_moment + self.moment)
             self._fitted = True
 
@@ -182,14 +191,15 @@ class StepTimeModel:
             self._refresh()
         self.num_observed += 1
 
-    def _fit(self, precision: np.ndarray, moment: np.ndarray) -> np.ndarray:
+    def _fit(self, cov: np.ndarray, precision: np.ndarray, moment: np.ndarray) -> np.ndarray:
         """The ridge solution with no negative cost: a coefficient of `_NONNEGATIVE`
         the solution puts below 0 is held at 0 and the rest refitted (an active set,
         at most one round per such coefficient). Where few steps differ in one feature
         alone (steps that run a drafter pass also have its rows), the unconstrained fit
         traded a negative pass for a dear row (measured: parallel at 16 running, pass
-        -10 ms, row 0.15 ms), and drafting the whole batch looked cheaper than not."""
-        theta = np.linalg.solve(precision, moment)
+        -10 ms, row 0.15 ms), and drafting the whole batch looked cheaper than not.
+        `cov`: the inverse of `precision`, which an optimistic price needs anyway."""
+        theta = cov @ moment
         free = np.ones(len(theta), dtype=bool)
         for _ in _NONNEGATIVE:
             negative = [i for i in _NONNEGATIVE if free[i] and theta[i] < 0.0]

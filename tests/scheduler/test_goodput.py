@@ -548,3 +548,29 @@ def test_a_policy_asking_past_the_rule_is_held_to_it(monkeypatch: pytest.MonkeyP
     assert sched.stats.goodput.chosen_k[K] > 0  # it did draft K where the rule allowed
 
 
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, K), st.integers(0, K), st.integers(0, NUM_OUTCOMES - 1),
+                          st.integers(0, 400)), min_size=1, max_size=4))
+def test_a_few_verifications_are_counted_as_the_histograms_count_them(
+        steps: list[tuple[int, int, int, int]]) -> None:
+    """One to four verifications a step are added one by one; the counts are the
+    histograms' (the path every larger step takes), cell by cell."""
+    import scheduler.goodput as goodput
+
+    verified = [v for v, _, _, _ in steps]
+    accepted = [min(a, v) for v, a, _, _ in steps]
+    states = [s for _, _, s, _ in steps]
+    produced = [p for _, _, _, p in steps]
+    few = AcceptanceEstimates(K, GoodputSettings())
+    few.record(verified, accepted, states, produced)
+    many = AcceptanceEstimates(K, GoodputSettings())
+    few_limit, goodput._FEW = goodput._FEW, 0
+    try:
+        many.record(verified, accepted, states, produced)
+    finally:
+        goodput._FEW = few_limit
+    assert np.array_equal(few.reached, many.reached)
+    assert np.array_equal(few.accepted, many.accepted)
+    assert few.reached.sum() > 0
