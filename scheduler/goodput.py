@@ -25,6 +25,10 @@ gain while tokens / predicted seconds still grows (a greedy marginal allocation 
 the whole batch, vectorised). The cap only lowers the rule's k, so every invariant of
 the throttle holds as before: the chosen k is what the step charges.
 
+A choice that drafts nothing by a clear margin is held for the next few steps
+(`holding`): while nobody drafts the estimates barely move, and deciding again costs
+a measurable share of a short step.
+
 That aim is right while a finished request's slot is refilled. When the caller says
 nobody joins (offline `generate`) and nothing waits, the batch ends with its slowest
 request, and scheduler/finish_plan.py chooses k to finish it soonest instead.
@@ -151,12 +155,23 @@ class AcceptanceEstimates:
                       states: np.ndarray, explore: bool = True,
                       unverified: np.ndarray | None = None,
                       produced: np.ndarray | None = None) -> np.ndarray:
-        """[N, K] per request: the rates of the state its last verification left and of
+        """[N, K] per request, clipped to [0, 0.99]: `rates_and_optimism`, with the
+        optimism added if `explore`."""
+        own, bonus = self.rates_and_optimism(verifications, first_accepted, states,
+                                             unverified, produced)
+        return np.clip(own + explore * bonus[:, None], 0.0, 0.99)
+
+    def rates_and_optimism(self, verifications: np.ndarray, first_accepted: np.ndarray,
+                           states: np.ndarray, unverified: np.ndarray | None = None,
+                           produced: np.ndarray | None = None,
+                           ) -> tuple[np.ndarray, np.ndarray]:
+        """[N, K] per request (unclipped), and [N] the optimism its little history
+        earns: the rates of the state its last verification left and of
         the span it is in (`produced`: its output tokens; 0 if None), scaled by its
         first-draft acceptances over what its states predicted (`verifications`
         [N, NUM_OUTCOMES]: its verifications per state it was in; every verification
         reaches the first draft, so the ratio is fair), shrunk toward 1 by
-        `request_weight` pseudo-verifications; plus optimism for little history.
+        `request_weight` pseudo-verifications.
 
         A request's record and state fade, by half per `evidence_half_life` output
         tokens it made since its last verification (`unverified`; none if None), to
@@ -185,8 +200,8 @@ class AcceptanceEstimates:
         # pass) that a batch of 64 pays on every request it tries.
         seen = float(self.reached[..., 0].sum())
         method_doubt = np.sqrt(s.prior_weight / (s.prior_weight + seen))
-        bonus = s.explore * explore * method_doubt / (1.0 + verifications.sum(axis=1))
-        return np.clip(own * np.reshape(scale, (-1, 1)) + bonus[:, None], 0.0, 0.99)
+        bonus = s.explore * method_doubt / (1.0 + verifications.sum(axis=1))
+        return own * np.reshape(scale, (-1, 1)), bonus
 
 
 class ForecastCheck:
@@ -243,7 +258,11 @@ class GoodputPolicy:
         kind = rule.method.drafter if rule.method is not None else None
         self.time_model = time_model or StepTimeModel(kind, self.settings)
         self.new_request_cap = rule.max_k  # for requests admitted this step
-        # Closed-batch plans left to skip, and the running count they were made for.
+        # ... and without optimism, for those past the step's explorer slots.
+        self.earned_request_cap = rule.max_k
+        self._explore_slots = self.settings.max_explorers
+        # Steps left to hold a decision that drafted nothing (`holding`), and the
+        # running count it was made for.
         self._idle_steps = self._idle_num = 0
         self._idle_planned = False  # whether the held decision was a closed batch's plan
         self._held = False  # whether this step's caps held such a plan
@@ -269,33 +288,69 @@ class GoodputPolicy:
             return self.hold()
         self._held = False
         fresh = np.zeros(1, dtype=np.int64)
-        # A plan for a closed batch drafts every request alike or not at all, so
-        # optimism there would try drafts on the whole batch at once: at the mean.
-        gains = np.cumprod(self.acceptance.request_rates(
+        own, bonus = self.acceptance.rates_and_optimism(
             np.concatenate([verifications, np.zeros((1, NUM_OUTCOMES), dtype=np.int64)]),
             np.concatenate([first_accepted, fresh]),
-            np.concatenate([states, fresh + FRESH]), explore=not planned,
+            np.concatenate([states, fresh + FRESH]),
             unverified=None if unverified is None else np.concatenate([unverified, fresh]),
-            produced=None if produced is None else np.concatenate([produced, fresh])),
-            axis=1)
-        gains = np.minimum(gains * self.check.factor, 0.99)
+            produced=None if produced is None else np.concatenate([produced, fresh]))
         limit = np.concatenate([rule_k, [self.max_k]])
         catch_up = np.zeros(num, dtype=np.int64) if behind is None else behind
         if planned and remaining is not None:
+            # A plan drafts every request alike or not at all, so optimism there would
+            # try drafts on the whole batch at once: at the mean, at the method's K.
+            gains = self._gains(own)
             limit = np.minimum(limit, self._finish_plan(gains[:num], remaining, catch_up))
-        gains[np.arange(self.max_k)[None, :] >= limit[:, None]] = 0.0
-        if planned:
-            chosen = np.arange(self.max_k)[None, :] < limit[:, None]
+            gains[np.arange(self.max_k)[None, :] >= limit[:, None]] = 0.0
+            caps = limit
+            self.earned_request_cap = int(caps[num])  # nobody joins a closed batch
         else:
+            gains = self._gains(own + bonus[:, None], limit)
             threshold, margin = self._threshold(gains[:num], max(num, 1), catch_up)
-            chosen = gains >= threshold
+            caps = (gains >= threshold).sum(axis=1)
+            caps = self._few_explorers(caps, self._gains(own, limit), threshold)
             # Held only where every request could have drafted: one in prefill now
             # may draft in a step or two.
             self._keep(margin if num and (rule_k > 0).all() else 0.0, num, planned=False)
-        caps = chosen.sum(axis=1)
+        chosen = np.arange(self.max_k)[None, :] < caps[:, None]
         self.new_request_cap = int(caps[num])
         self.check.expect(float(gains[:num][chosen[:num]].sum()), int(caps[:num].sum()))
         return caps[:num]
+
+    def _gains(self, rates: np.ndarray, limit: np.ndarray | None = None) -> np.ndarray:
+        """[N, K] the chance each request's first j + 1 drafts are all accepted, by the
+        forecast check's factor, 0 past its limit (if given)."""
+        gains = np.minimum(np.cumprod(np.clip(rates, 0.0, 0.99), axis=1) * self.check.factor,
+                           0.99)
+        if limit is not None:
+            gains[np.arange(self.max_k)[None, :] >= limit[:, None]] = 0.0
+        return gains
+
+    def _few_explorers(self, caps: np.ndarray, plain: np.ndarray,
+                       threshold: float) -> np.ndarray:
+        """`caps` [N + 1], the last a fresh request's, with at most `max_explorers` of
+        the running requests drafting more than their rates without optimism earn
+        (`plain` gains) at `threshold`: the first in running order, the oldest. The
+        slots they leave go to the requests admitted this step (`admission_cap`)."""
+        earned = (plain >= threshold).sum(axis=1)
+        exploring = np.flatnonzero(caps[:-1] > earned[:-1])
+        limit = self.settings.max_explorers
+        caps = caps.copy()
+        caps[exploring[limit:]] = earned[exploring[limit:]]
+        self.earned_request_cap = int(earned[-1])
+        self._explore_slots = max(limit - len(exploring), 0)
+        return caps
+
+    def admission_cap(self) -> int:
+        """The k cap of the next request admitted this step: `new_request_cap` while
+        explorer slots are left (`_few_explorers`), else what a fresh request's rates
+        earn without optimism."""
+        if self.new_request_cap <= self.earned_request_cap:
+            return self.new_request_cap
+        if self._explore_slots <= 0:
+            return self.earned_request_cap
+        self._explore_slots -= 1
+        return self.new_request_cap
 
     def holding(self, num: int, planned: bool) -> bool:
         """Whether `num` running requests still hold a decision that drafted nothing by
@@ -320,7 +375,7 @@ class GoodputPolicy:
         """This step's caps while `holding`: nobody drafts."""
         self._idle_steps -= 1
         self._held = True
-        self.new_request_cap = 0
+        self.new_request_cap = self.earned_request_cap = 0
         self.check.expect(0.0, 0)
         return np.zeros(self._idle_num, dtype=np.int64)
 

@@ -336,7 +336,7 @@ class Scheduler:
                 suspect_in_step = True
             prefix, drafter_cached = self._usable_prefix(self.kv.find_prefix(request))
             num_cached = len(prefix) * self.kv.block_size
-            cap = self.policy.new_request_cap if self.policy else self.rule.max_k
+            cap = self.policy.admission_cap() if self.policy else self.rule.max_k
             view = self._view(request, cap, (num_cached, drafter_cached))
             plan = plan_chunk(self.rule, record.remaining, view,
                               self._max_chunk(request.num_tokens - num_cached),

@@ -574,3 +574,45 @@ def test_a_few_verifications_are_counted_as_the_histograms_count_them(
     assert np.array_equal(few.reached, many.reached)
     assert np.array_equal(few.accepted, many.accepted)
     assert few.reached.sum() > 0
+
+
+def test_only_a_few_requests_a_step_draft_on_optimism_alone() -> None:
+    """A fresh method: drafts at the prior's rates do not pay, the optimism a request
+    with no history gets makes one draft pay. Only `max_explorers` of them draft in a
+    step, the oldest running first, then as many of those admitted; the rest get what
+    their rates earn without optimism (nothing). Without the limit, every one drafts."""
+    def fresh_policy(max_explorers: int) -> GoodputPolicy:
+        gp = policy("ngram", 0.02, 0.002, acceptance=0.5, max_explorers=max_explorers)
+        gp.acceptance = AcceptanceEstimates(K, gp.settings)  # nothing verified yet
+        return gp
+
+    def step(gp: GoodputPolicy, num: int) -> list[int]:
+        return gp.caps(history([0] * num), np.zeros(num), np.full(num, FRESH),
+                       np.full(num, K)).tolist()
+
+    unlimited = fresh_policy(100)
+    assert step(unlimited, 10) == [1] * 10
+    assert unlimited.admission_cap() == 1
+    gp = fresh_policy(4)
+    assert step(gp, 10) == [1] * 4 + [0] * 6
+    assert [gp.admission_cap() for _ in range(3)] == [0, 0, 0]
+    assert min(step(gp, 2)) > 0  # two explore: two slots left for admissions
+    hopeful, earned = gp.new_request_cap, gp.earned_request_cap
+    assert hopeful > earned
+    assert [gp.admission_cap() for _ in range(3)] == [hopeful, hopeful, earned]
+
+
+def test_the_scheduler_takes_each_admitted_requests_cap_from_the_policy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests admitted in one step each ask the policy for their cap in turn
+    (`admission_cap`: the step's explorer slots run out), and draft by it."""
+    scheduler = make_scheduler("ngram", k=K, budget=256, draft_policy="goodput")
+    gp = scheduler.policy
+    assert gp is not None
+    caps = iter([K, 1, 0, 0])
+    monkeypatch.setattr(gp, "admission_cap", lambda: next(caps))
+    runner = SimulatedRunner(scheduler, seed=0, acceptance=0.0)
+    for i in range(4):
+        scheduler.add_request(make_request(f"r{i}", prompt_len=8, max_tokens=40))
+    run_step(scheduler, runner)
+    assert [len(r.spec_token_ids) for r in scheduler.running] == [K, 1, 0, 0]
