@@ -318,3 +318,47 @@ def test_suffix_global_tree_equals_one_built_from_the_kept_responses(
             expected.insert(seq)
         assert proposer.cached_response_ids == list(kept)
         assert dump(proposer.global_tree.root) == dump(expected.root)
+
+
+@given(tokens=st.lists(st.integers(0, 3), min_size=2, max_size=40), data=st.data(),
+       k=st.integers(1, 4))
+def test_suffix_builds_a_requests_tree_at_its_first_draft_as_if_it_had_followed(
+        tokens: list[int], data: st.DataObject, k: int) -> None:
+    """`add_request` only keeps the start tokens: a request parked for a while (no
+    `propose`) gets at its first draft the tree, the drafts and, once finished, the
+    global tree's response of one that was proposed for at every step."""
+    prompt_len = data.draw(st.integers(1, len(tokens) - 1))
+    followed, parked = SuffixProposer(), SuffixProposer()
+    followed.add_request("r", arr(tokens[:prompt_len]))
+    parked.add_request("r", arr(tokens[:prompt_len]))
+    assert "r" not in parked._requests  # no tree until it drafts
+    for end in range(prompt_len, len(tokens) + 1):
+        followed.propose("r", arr(tokens[:end]), k)
+    assert parked.propose("r", arr(tokens), k) == followed.propose("r", arr(tokens), k)
+    assert dump(parked._requests["r"].tree.root) == dump(followed._requests["r"].tree.root)
+    followed.remove_request("r", finished=True)
+    parked.remove_request("r", finished=True)
+    assert parked._responses == followed._responses
+
+
+def test_suffix_builds_no_tree_for_a_request_that_never_drafts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import spec_decode.suffix as suffix
+
+    built = []
+
+    class Counting(SuffixTree):
+        def __init__(self, depth: int) -> None:
+            built.append(depth)
+            super().__init__(depth)
+
+    monkeypatch.setattr(suffix, "SuffixTree", Counting)
+    proposer = suffix.SuffixProposer()
+    built.clear()
+    for i in range(5):
+        proposer.add_request(f"r{i}", arr(list(range(40))))
+        proposer.remove_request(f"r{i}", finished=True)
+    assert built == [] and proposer.cached_response_ids == []
+    proposer.add_request("d", arr(list(range(40))))
+    proposer.propose("d", arr(list(range(44))), 2)
+    assert len(built) == 1
