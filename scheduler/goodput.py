@@ -284,7 +284,7 @@ class GoodputPolicy:
         `new_request_cap`, the cap of a request with no history in this batch."""
         num = len(rule_k)
         planned = remaining is not None and num > 0 and self.settings.finish_when_closed
-        if self.holding(num, planned):
+        if self.holding(num, remaining is not None):
             return self.hold()
         self._held = False
         fresh = np.zeros(1, dtype=np.int64)
@@ -352,14 +352,15 @@ class GoodputPolicy:
         self._explore_slots -= 1
         return self.new_request_cap
 
-    def holding(self, num: int, planned: bool) -> bool:
+    def holding(self, num: int, closed: bool) -> bool:
         """Whether `num` running requests still hold a decision that drafted nothing by
-        a clear margin (a closed batch's plan if `planned`, else a step's choice, for
-        the same count of requests): then `hold` is this step's caps, and the
+        a clear margin (a closed batch's plan if the batch is `closed` and plans, else
+        a step's choice, for the same count of requests): then `hold` is this step's caps, and the
         scheduler need not work out the rule's k first. The estimates barely move
         while nobody drafts, and deciding again costs ~0.6 ms in place at one request
         (measured: the forward evicts the policy's code and data from the caches), 4 %
         of a step."""
+        planned = closed and num > 0 and self.settings.finish_when_closed
         return self._idle_steps > 0 and num == self._idle_num and planned == self._idle_planned
 
     def _keep(self, margin: float, num: int, planned: bool) -> None:

@@ -246,8 +246,7 @@ class Scheduler:
             return None
         c = counters
         closed = self.arrivals_closed and not self.waiting
-        planned = closed and self.policy.settings.finish_when_closed
-        if self.policy.holding(len(c.num_tokens), planned):
+        if self.policy.holding(len(c.num_tokens), closed):
             return self.policy.hold()  # a decision that drafted nothing, kept
         s = c.num_spec  # verified next if the whole chunk fits (the bulk plan's case)
         rule_k = self.rule.k(c.num_tokens, c.num_output, c.max_tokens, s)

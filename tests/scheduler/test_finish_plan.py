@@ -193,7 +193,7 @@ def test_a_held_step_joins_the_time_models_sums_and_the_next_plan_refits() -> No
     gp = policy("ngram", 0.002, 0.001, acceptance=0.2)
     eager = copy.deepcopy(gp.time_model)
     closed_caps(gp, [48] * 6, accepted=4)  # plans, and holds for the next steps
-    assert gp.holding(6, planned=True)
+    assert gp.holding(6, closed=True)
     before = gp.time_model.predict_one(6, 6, 0, 0)
     noise = gp.time_model.noise_var
     clock = synthetic_step_time(0.01, 0.004)  # steps slower than the fit thinks
