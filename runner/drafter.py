@@ -210,6 +210,22 @@ class ModelDrafter:
         c .. c + L - 1) in the feature cache, at their KV slots."""
         if self.feature_cache is None:
             return
+        if parked.all() and np.array_equal(res.valid, res.num_scheduled):
+            # Every row of the target pass is a parked request's kept row (a step
+            # nobody drafts in or verifies, most steps under load): the slots are the
+            # target pass's own, still in the step buffers (the drafter's passes
+            # refill them after this). Measured in place at 16 running: 113 -> 61 us.
+            rows = len(target_features)
+            self.feature_cache.index_copy_(0, self.buffers.slot_mapping.gpu[:rows],
+                                           target_features)
+            return
+        self._stash_rows(res, target_features, parked)
+
+    def _stash_rows(self, res: StepResult, target_features: torch.Tensor,
+                    parked: np.ndarray) -> None:
+        """`_stash_features` for any step: each parked request's valid rows' slots
+        from its block table."""
+        assert self.feature_cache is not None
         reqs = np.flatnonzero(parked & (res.valid > 0))
         counts = res.valid[reqs]
         if (counts == 1).all():  # decoding: one row each (most steps)

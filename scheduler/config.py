@@ -107,8 +107,12 @@ class GoodputSettings:
     finish_min_gain: float = 0.05
     # A choice that drafts nothing (a closed batch's plan, or a step's), with drafting
     # predicted this much slower, is held a step per this share (at most
-    # `max_idle_steps` in a row, and only while the running set keeps its size): the
-    # estimates barely move while nobody drafts, and deciding again cost ~0.6 ms in
-    # place per step at 1 and 16 running (measured), 2-4 % of a step.
+    # `max_idle_steps` in a row, and only while no request joins; a finish scales the
+    # margin by the count left): the estimates barely move while nobody drafts, and
+    # deciding again cost ~0.6 ms in place per step at 1 and 16 running (measured),
+    # 2-4 % of a step.
     idle_margin_per_step: float = 0.02
-    max_idle_steps: int = 8
+    # ... up to one `evidence_half_life` of steps: a held request's own record has lost
+    # half its weight by then, and its rates may have moved (measured at 16 running,
+    # capped at 8: a third of the decisions were a held choice running out).
+    max_idle_steps: int = 16

@@ -54,6 +54,9 @@ _PRIOR_STEPS_BASE, _PRIOR_STEPS_KNOT = 0.01, 4.0
 # head's pass is a layer or two, priced from measurement; a draft LM's is whatever
 # model the user drafts with, so its prior yields to the data at once.
 _PRIOR_STEPS_HEAD_PASS = 2.0
+# Unfitted steps kept before they are added to the sums anyway (a bound: a decision
+# reads the fit at least every `GoodputSettings.max_idle_steps` steps).
+_MAX_PENDING = 64
 
 
 def _prior_precision(drafter_kind: str) -> np.ndarray:
@@ -87,9 +90,15 @@ class StepTimeModel:
         self.moment = np.zeros(len(self.prior))  # decayed sum of x * seconds
         self._theta = self.prior.copy()  # as last fitted (`theta` refits first)
         self._fitted = True
+        # predict_one's last (rows, fit, price): a fit is replaced, never edited in place.
+        self._last_price: tuple[tuple[int, int, int, int], np.ndarray, float] | None = None
         self._cov: np.ndarray | None = None  # of theta, in units of noise_var (`cov`)
         self.noise_var = 1e-6  # of one step's time around the fit (s^2): ~1 ms to start
         self.forgetting = settings.forgetting
+        # Steps that joined unfitted (`observe(refit=False)`), added to the sums in one
+        # product when the fit next needs them (`_fold`): four numpy calls a step cost
+        # ~40 us in place at 16 running, where the step's decision was held.
+        self._pending: list[tuple[int, int, int, int, float]] = []
         self.optimism = settings.optimism
         self.optimism_floor = settings.optimism_floor
         self.num_observed = 0
@@ -129,8 +138,14 @@ class StepTimeModel:
     def predict_one(self, target: int, logits: int, drafter: int, passes: int) -> float:
         """`predict` for one step, by the fit as it stood when the policy last planned
         with it (no refit: this prices every step for the metrics, planned or held)."""
-        return max(float(self.features_one(target, logits, drafter, passes) @ self._theta),
-                   1e-6)
+        key = (target, logits, drafter, passes)
+        memo = self._last_price
+        if memo is not None and memo[0] == key and memo[1] is self._theta:
+            return memo[2]  # the same rows under the same fit (held steps: most under load)
+        price = max(float(self.features_one(target, logits, drafter, passes) @ self._theta),
+                    1e-6)
+        self._last_price = (key, self._theta, price)
+        return price
 
     @property
     def theta(self) -> np.ndarray:
@@ -144,6 +159,7 @@ class StepTimeModel:
 
     def _refresh(self) -> None:
         if not self._fitted:
+            self._fold()
             self._theta = self._fit(self.cov, self.prior_precision + self.gram,
                                     self._prior_moment + self.moment)
             self._fitted = True
@@ -167,6 +183,7 @@ class StepTimeModel:
 
     @property
     def cov(self) -> np.ndarray:
+        self._fold()
         if self._cov is None:
             self._cov = np.linalg.inv(self.prior_precision + self.gram)
         return self._cov
@@ -174,22 +191,42 @@ class StepTimeModel:
     def observe(self, target: int, logits: int, drafter: int, passes: int,
                 seconds: float, refit: bool = True) -> None:
         """Add a step to the fit. With `refit` False (a step the policy planned nothing
-        for) the step only joins the sums, and the noise is left as it is: it is learnt
-        from residuals against a current fit, before each update, so a step the fit has
-        seen does not make it look smaller than it is."""
+        for) the step waits to join the sums (`_fold`) until the fit is next read, and
+        the noise is left as it is: it is learnt from residuals against a current fit,
+        before each update, so a step the fit has seen does not make it look smaller
+        than it is."""
+        self.num_observed += 1
+        if not refit:
+            self._fitted = False
+            self._pending.append((target, logits, drafter, passes, seconds))
+            if len(self._pending) >= _MAX_PENDING:
+                self._fold()
+            return
         x = self.features_one(target, logits, drafter, passes)
-        if refit:
-            residual = seconds - float(x @ self.theta)
-            self.noise_var += (1.0 - self.forgetting) * (residual * residual - self.noise_var)
+        residual = seconds - float(x @ self.theta)
+        self.noise_var += (1.0 - self.forgetting) * (residual * residual - self.noise_var)
         self.gram *= self.forgetting
         self.gram += np.outer(x, x)
         self.moment *= self.forgetting
         self.moment += x * seconds
         self._cov = None  # inverted when an optimistic price asks for it, not per step
         self._fitted = False
-        if refit:
-            self._refresh()
-        self.num_observed += 1
+        self._refresh()
+
+    def _fold(self) -> None:
+        """Add the steps waiting in `_pending` to the sums, each forgotten as if it had
+        joined on its own step (the oldest most)."""
+        if not self._pending:
+            return
+        steps = np.array(self._pending)
+        self._pending.clear()
+        x = self.features(steps[:, 0], steps[:, 1], steps[:, 2], steps[:, 3])
+        age = np.arange(len(steps) - 1, -1, -1)
+        weighted = x * (self.forgetting ** age)[:, None]
+        fade = self.forgetting ** len(steps)
+        self.gram = self.gram * fade + weighted.T @ x
+        self.moment = self.moment * fade + weighted.T @ steps[:, 4]
+        self._cov = None
 
     def _fit(self, cov: np.ndarray, precision: np.ndarray, moment: np.ndarray) -> np.ndarray:
         """The ridge solution with no negative cost: a coefficient of `_NONNEGATIVE`

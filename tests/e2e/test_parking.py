@@ -150,3 +150,21 @@ def test_a_head_without_cached_features_drafts_otherwise(
     agreed)."""
     monkeypatch.setattr(ModelDrafter, "_stash_features", lambda *args: None)
     assert agreement(model, "dflash") < 0.5
+
+
+def test_a_step_of_parked_decodes_stashes_as_any_step_does(
+        model: LlamaForCausalLM, alternating: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step where every request is parked and keeps every row stashes the target
+    pass's rows at its own KV slots in one copy; the general path looks each slot up
+    in the block tables. Forced onto the general path, dflash drafts exactly the same
+    (float32, same batches: only a feature stashed at another slot could differ)."""
+    tokens, fast, _ = generate(model, "dflash", "goodput")
+    monkeypatch.setattr(ModelDrafter, "_stash_features",
+                        lambda self, res, features, parked: self._stash_rows(res, features,
+                                                                             parked))
+    general_tokens, general, _ = generate(model, "dflash", "goodput")
+    assert tokens == general_tokens
+    common = set(fast) & set(general)  # the alternation runs on across both runs
+    assert len(common) >= 12
+    assert all(fast[key] == general[key] for key in common)
+

@@ -166,7 +166,8 @@ def test_a_plan_that_drafts_nothing_by_a_clear_margin_is_kept_a_few_steps(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Drafting clearly loses: after one plan, the next steps reuse it (no re-plan)
     up to `max_idle_steps`, one step per `idle_margin_per_step` of the margin; a
-    change in the running set plans again at once."""
+    request that finishes scales the margin by the count left, one that joins plans
+    again at once."""
     import scheduler.goodput as goodput
 
     calls = []
@@ -174,11 +175,21 @@ def test_a_plan_that_drafts_nothing_by_a_clear_margin_is_kept_a_few_steps(
     monkeypatch.setattr(goodput, "finish_caps",
                         lambda *a, **k: calls.append(1) or plan(*a, **k))
     gp = policy("ngram", 0.002, 0.001, acceptance=0.2)
-    for _ in range(12):
+    cap = gp.settings.max_idle_steps
+    for _ in range(cap + 4):
         assert closed_caps(gp, [48] * 6, accepted=4).tolist() == [0] * 6
-    assert len(calls) == 2  # planned, kept 8 steps, planned, kept 3 so far
+    assert len(calls) == 2  # planned, kept `cap` steps, planned, kept 3 so far
+    assert gp._idle_margin >= cap * gp.settings.idle_margin_per_step
     assert closed_caps(gp, [48] * 5, accepted=4).tolist() == [0] * 5
-    assert len(calls) == 3
+    assert len(calls) == 2  # one finished: a margin that wide still holds for 5
+    assert closed_caps(gp, [48] * 6, accepted=4).tolist() == [0] * 6
+    assert len(calls) == 3  # one joined: planned again
+    gp._keep(0.05, 6, planned=True)  # 5 % short: held 2 steps at 6 ...
+    assert closed_caps(gp, [48] * 3, accepted=4).tolist() == [0] * 3
+    assert len(calls) == 3 and gp._idle_steps == 0  # ... 2.5 % at 3: this step only
+    gp._keep(0.05, 6, planned=True)
+    closed_caps(gp, [48] * 2, accepted=4)
+    assert len(calls) == 4  # ... 1.7 % at 2: planned again
     cheap = policy("ngram", 0.02, 0.0005, acceptance=0.7)
     calls.clear()
     for _ in range(3):
@@ -253,8 +264,13 @@ def test_a_step_that_drafts_nothing_by_a_clear_margin_is_kept_a_few_steps(
         assert step(gp, [K] * 6) == [0] * 6 and gp.new_request_cap == 0
     assert len(calls) == 1
     assert step(gp, [K] * 6) == [0] * 6 and len(calls) == 2
+    gp._keep(0.02, 6, planned=False)  # 2 % short: one step at 6, none at 5
     assert step(gp, [K] * 5) == [0] * 5 and len(calls) == 3  # one finished: decided again
+    gp._keep(0.2, 5, planned=False)
+    assert step(gp, [K] * 4) == [0] * 4 and len(calls) == 3  # still 16 % short: held
+    assert step(gp, [K] * 5) == [0] * 5 and len(calls) == 4  # one joined: decided again
     calls.clear()
+    gp = policy("ngram", 0.002, 0.001, acceptance=0.2)
     for _ in range(3):
         assert step(gp, [0] + [K] * 3) == [0] * 4
     assert len(calls) == 3

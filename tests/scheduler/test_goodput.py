@@ -31,6 +31,7 @@ from scheduler.request import (
     SOME_ACCEPTED,
     outcome,
 )
+from scheduler.step_cost import _MAX_PENDING
 from spec_decode.methods import get_method
 from tests.helpers import drain, make_request, make_scheduler, run_step
 
@@ -120,6 +121,42 @@ def test_the_time_model_learns_the_clock_it_is_fed() -> None:
         expect = clock({"target": target, "draft": drafter})
         assert float(model.predict(target, target, drafter, int(drafter > 0))) == \
             pytest.approx(expect, rel=0.05)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 80), st.integers(0, 3),
+                          st.floats(0.001, 0.2), st.booleans()), min_size=1, max_size=150))
+def test_unfitted_steps_fold_into_the_sums_as_if_added_one_by_one(
+        steps: list[tuple[int, int, int, float, bool]]) -> None:
+    """Steps observed without a refit wait and join the sums in one product when the
+    fit is next read (more than `_MAX_PENDING` of them fold on the way): the same sums,
+    fit and prices as adding each on its own step."""
+    lazy = StepTimeModel("head", GoodputSettings())
+    eager = StepTimeModel("head", GoodputSettings())
+    for target, drafter, passes, seconds, refit in steps:
+        rows = (target, min(target, 16), drafter, passes)
+        lazy.observe(*rows, seconds, refit=refit)
+        x = eager.features_one(*rows)
+        if refit:  # the noise learns from a refit's residual, as `observe` does
+            residual = seconds - float(x @ eager.theta)
+            eager.noise_var += (1 - eager.forgetting) * (residual ** 2 - eager.noise_var)
+        eager.gram = eager.gram * eager.forgetting + np.outer(x, x)
+        eager.moment = eager.moment * eager.forgetting + x * seconds
+        eager._cov, eager._fitted = None, False
+    assert np.allclose(lazy.cov, eager.cov, rtol=1e-9, atol=1e-12)
+    assert np.allclose(lazy.gram, eager.gram, rtol=1e-9)
+    assert np.allclose(lazy.theta, eager.theta, rtol=1e-7, atol=1e-12)
+    assert lazy.noise_var == pytest.approx(eager.noise_var, rel=1e-9)
+
+
+def test_unfitted_steps_wait_in_a_bounded_list() -> None:
+    """A fit nobody reads (a policy holding for long) keeps at most `_MAX_PENDING`
+    steps waiting: the rest are in the sums."""
+    model = StepTimeModel("lookup", GoodputSettings())
+    for _ in range(3 * _MAX_PENDING):
+        model.observe(16, 16, 0, 0, 0.03, refit=False)
+        assert len(model._pending) < _MAX_PENDING
+    assert model.gram[0, 0] > _MAX_PENDING  # the folded steps' constant column
 
 
 def test_no_cost_is_fitted_below_zero() -> None:
