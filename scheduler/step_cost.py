@@ -45,7 +45,7 @@ _DRAFTER_PRIOR = {"lookup": (0.0,) * 5,
 _REFERENCE_ROWS = 64
 # Coefficients that are costs, never negative: the constant, the target's slopes per
 # row, the drafter's per pass and per row (the changes of slope past a knot may be).
-_NONNEGATIVE = (0, 1, 2, 6, 7)
+_NONNEGATIVE = (0, 1, 2, 3 + len(KNOTS), 4 + len(KNOTS))
 _PRIOR_STEPS_BASE, _PRIOR_STEPS_KNOT = 0.01, 4.0
 # ... but a few steps behind a head's price per pass: steps that run a drafter pass
 # also have its rows, so the data alone tell the two apart only slowly, and drafting
@@ -57,6 +57,9 @@ _PRIOR_STEPS_HEAD_PASS = 2.0
 # Unfitted steps kept before they are added to the sums anyway (a bound: a decision
 # reads the fit at least every `GoodputSettings.max_idle_steps` steps).
 _MAX_PENDING = 64
+# Steps over which the fit is refitted on every step, before only every
+# `GoodputSettings.refit_every` steps that teach it: a young fit moves most per step.
+_WARM_STEPS = 32
 
 
 def _prior_precision(drafter_kind: str) -> np.ndarray:
@@ -89,16 +92,20 @@ class StepTimeModel:
         self.gram = np.zeros((len(self.prior), len(self.prior)))  # decayed sum of x x'
         self.moment = np.zeros(len(self.prior))  # decayed sum of x * seconds
         self._theta = self.prior.copy()  # as last fitted (`theta` refits first)
-        self._fitted = True
+        self._cov: np.ndarray | None = None  # of the sums, in units of noise_var (`cov`)
+        self._fit_cov = np.linalg.inv(self.prior_precision)  # ... as last fitted
         # predict_one's last (rows, fit, price): a fit is replaced, never edited in place.
         self._last_price: tuple[tuple[int, int, int, int], np.ndarray, float] | None = None
-        self._cov: np.ndarray | None = None  # of theta, in units of noise_var (`cov`)
         self.noise_var = 1e-6  # of one step's time around the fit (s^2): ~1 ms to start
         self.forgetting = settings.forgetting
-        # Steps that joined unfitted (`observe(refit=False)`), added to the sums in one
-        # product when the fit next needs them (`_fold`): four numpy calls a step cost
-        # ~40 us in place at 16 running, where the step's decision was held.
-        self._pending: list[tuple[int, int, int, int, float]] = []
+        # Observed steps wait here (target, logits, drafter, passes, seconds, whether
+        # the step teaches the noise) and join the sums in one product (`_fold`) when
+        # a decision next refits: a refit per step cost ~0.1 ms of a decision in
+        # place at 4 running (the inverse, the solve, four numpy calls a step).
+        self._pending: list[tuple[int, int, int, int, float, bool]] = []
+        self.refit_every = settings.refit_every
+        self._teaching = 0  # steps waiting that teach the noise
+        self._unfitted = False  # whether the sums hold steps the fit has not seen
         self.optimism = settings.optimism
         self.optimism_floor = settings.optimism_floor
         self.num_observed = 0
@@ -149,20 +156,32 @@ class StepTimeModel:
 
     @property
     def theta(self) -> np.ndarray:
-        """The fit's coefficients, refitted first if steps joined the sums unfitted
-        (`observe(refit=False)`): a closed batch holding a plan that drafts nothing
-        (most steps under load) defers the solve to its next plan, since a step's
-        Python costs 3-5x in place what it does alone (measured at 16 running: the
-        forward evicts the scheduler's code and data from the caches)."""
-        self._refresh()
+        """The fit's coefficients over every step observed (refitted first if any
+        waits). A decision prices with `fit_for_decision` instead, which refits only
+        every `refit_every` steps."""
+        if self._pending or self._unfitted:
+            self._refresh()
         return self._theta
 
+    @property
+    def settled(self) -> bool:
+        """Past the first steps, over which the fit is refitted on every step."""
+        return self.num_observed > _WARM_STEPS
+
+    def fit_for_decision(self) -> tuple[np.ndarray, np.ndarray]:
+        """(theta, its covariance in units of noise_var) for a decision: refitted first
+        if `refit_every` steps wait (held steps, which `observe` does not refit for) or
+        the sums hold steps the fit has not seen."""
+        if len(self._pending) >= self.refit_every or self._unfitted:
+            self._refresh()
+        return self._theta, self._fit_cov
+
     def _refresh(self) -> None:
-        if not self._fitted:
-            self._fold()
-            self._theta = self._fit(self.cov, self.prior_precision + self.gram,
-                                    self._prior_moment + self.moment)
-            self._fitted = True
+        self._fold()
+        self._teaching, self._unfitted = 0, False
+        self._fit_cov = self.cov
+        self._theta = self._fit(self._fit_cov, self.prior_precision + self.gram,
+                                self._prior_moment + self.moment)
 
     def predict_optimistic(self, target: np.ndarray, logits: np.ndarray,
                            drafter: np.ndarray, passes: np.ndarray) -> np.ndarray:
@@ -172,10 +191,11 @@ class StepTimeModel:
         has varied the rows (a batch that never drafts keeps one operating point), the
         slope is unknown and the extra rows look cheap, so the policy tries them and
         measures; once measured, the deviation is small and the mean decides."""
+        theta, cov = self.fit_for_decision()
         x = self.features(target, logits, drafter, passes)
-        mean = x @ self.theta
+        mean = x @ theta
         extra = x - x[0]
-        spread = np.sqrt(self.noise_var * ((extra @ self.cov) * extra).sum(axis=1))
+        spread = np.sqrt(self.noise_var * ((extra @ cov) * extra).sum(axis=1))
         extra_mean = np.maximum(mean - mean[0], 0.0)
         added = np.maximum(extra_mean - self.optimism * spread,
                            self.optimism_floor * extra_mean)
@@ -183,6 +203,7 @@ class StepTimeModel:
 
     @property
     def cov(self) -> np.ndarray:
+        """The inverse of the prior's precision plus the sums, every step folded in."""
         self._fold()
         if self._cov is None:
             self._cov = np.linalg.inv(self.prior_precision + self.gram)
@@ -190,43 +211,47 @@ class StepTimeModel:
 
     def observe(self, target: int, logits: int, drafter: int, passes: int,
                 seconds: float, refit: bool = True) -> None:
-        """Add a step to the fit. With `refit` False (a step the policy planned nothing
-        for) the step waits to join the sums (`_fold`) until the fit is next read, and
-        the noise is left as it is: it is learnt from residuals against a current fit,
-        before each update, so a step the fit has seen does not make it look smaller
-        than it is."""
+        """Add a step to the fit: it waits to join the sums (`_fold`) until the next
+        refit. With `refit` False (a step the policy planned nothing for: it held
+        a choice) the noise is left as it is; otherwise the step's residual against the
+        fit it was priced by teaches the noise, a residual against a fit that has not
+        seen it, so a step the fit has seen does not make the noise look smaller than
+        it is."""
         self.num_observed += 1
-        if not refit:
-            self._fitted = False
-            self._pending.append((target, logits, drafter, passes, seconds))
-            if len(self._pending) >= _MAX_PENDING:
-                self._fold()
-            return
-        x = self.features_one(target, logits, drafter, passes)
-        residual = seconds - float(x @ self.theta)
-        self.noise_var += (1.0 - self.forgetting) * (residual * residual - self.noise_var)
-        self.gram *= self.forgetting
-        self.gram += np.outer(x, x)
-        self.moment *= self.forgetting
-        self.moment += x * seconds
-        self._cov = None  # inverted when an optimistic price asks for it, not per step
-        self._fitted = False
-        self._refresh()
+        self._pending.append((target, logits, drafter, passes, seconds, refit))
+        self._teaching += refit
+        # Refitted every `refit_every` such steps (each step while the model is young:
+        # its first steps move it most), so a residual is against a fit a few steps
+        # old at most; a fit that old prices as well, as the fit forgets by
+        # `forgetting` per step (0.995: a window of ~200 steps).
+        if self._teaching >= (self.refit_every if self.settled else 1):
+            self._refresh()
+        elif len(self._pending) >= _MAX_PENDING:
+            self._fold()
 
     def _fold(self) -> None:
         """Add the steps waiting in `_pending` to the sums, each forgotten as if it had
-        joined on its own step (the oldest most)."""
+        joined on its own step (the oldest most), and learn the noise from those that
+        teach it, each forgotten by `forgetting` per such step since (as one update per
+        step would)."""
         if not self._pending:
             return
         steps = np.array(self._pending)
         self._pending.clear()
         x = self.features(steps[:, 0], steps[:, 1], steps[:, 2], steps[:, 3])
+        teaching = steps[:, 5] > 0
+        if teaching.any():
+            residual = steps[teaching, 4] - x[teaching] @ self._theta
+            age = np.arange(len(residual) - 1, -1, -1)
+            self.noise_var = (self.forgetting ** len(residual) * self.noise_var
+                              + (1.0 - self.forgetting)
+                              * float((self.forgetting ** age) @ (residual * residual)))
         age = np.arange(len(steps) - 1, -1, -1)
         weighted = x * (self.forgetting ** age)[:, None]
         fade = self.forgetting ** len(steps)
         self.gram = self.gram * fade + weighted.T @ x
         self.moment = self.moment * fade + weighted.T @ steps[:, 4]
-        self._cov = None
+        self._cov, self._unfitted = None, True
 
     def _fit(self, cov: np.ndarray, precision: np.ndarray, moment: np.ndarray) -> np.ndarray:
         """The ridge solution with no negative cost: a coefficient of `_NONNEGATIVE`

@@ -12,17 +12,10 @@ from hypothesis import strategies as st
 
 from engine.simulate import synthetic_step_time
 from runner.simulated import SimulatedRunner
+from scheduler.acceptance import AcceptanceEstimates, ForecastCheck, reaching_by_state, span_of
 from scheduler.budget import ThrottleRule
-from scheduler.goodput import (
-    AcceptanceEstimates,
-    DraftCosts,
-    ForecastCheck,
-    GoodputPolicy,
-    GoodputSettings,
-    StepTimeModel,
-    reaching_by_state,
-    span_of,
-)
+from scheduler.config import GoodputSettings
+from scheduler.goodput import GoodputPolicy
 from scheduler.request import (
     ALL_ACCEPTED,
     FRESH,
@@ -31,7 +24,7 @@ from scheduler.request import (
     SOME_ACCEPTED,
     outcome,
 )
-from scheduler.step_cost import _MAX_PENDING
+from scheduler.step_cost import _MAX_PENDING, _WARM_STEPS, KNOTS, DraftCosts, StepTimeModel
 from spec_decode.methods import get_method
 from tests.helpers import drain, make_request, make_scheduler, run_step
 
@@ -128,25 +121,48 @@ def test_the_time_model_learns_the_clock_it_is_fed() -> None:
                           st.floats(0.001, 0.2), st.booleans()), min_size=1, max_size=150))
 def test_unfitted_steps_fold_into_the_sums_as_if_added_one_by_one(
         steps: list[tuple[int, int, int, float, bool]]) -> None:
-    """Steps observed without a refit wait and join the sums in one product when the
-    fit is next read (more than `_MAX_PENDING` of them fold on the way): the same sums,
-    fit and prices as adding each on its own step."""
+    """Steps wait and join the sums in one product when the fit is next refitted (every
+    step over the first `_WARM_STEPS`, then every `refit_every` steps that teach the
+    noise; more than `_MAX_PENDING` waiting fold on the way): the same sums, fit and
+    prices as adding each on its own step, and the noise of each teaching step's
+    residual against the fit as last refitted."""
     lazy = StepTimeModel("head", GoodputSettings())
     eager = StepTimeModel("head", GoodputSettings())
-    for target, drafter, passes, seconds, refit in steps:
+    fit, teaching = eager.theta.copy(), 0
+    for i, (target, drafter, passes, seconds, refit) in enumerate(steps):
         rows = (target, min(target, 16), drafter, passes)
         lazy.observe(*rows, seconds, refit=refit)
         x = eager.features_one(*rows)
-        if refit:  # the noise learns from a refit's residual, as `observe` does
-            residual = seconds - float(x @ eager.theta)
+        if refit:
+            residual = seconds - float(x @ fit)
             eager.noise_var += (1 - eager.forgetting) * (residual ** 2 - eager.noise_var)
+            teaching += 1
         eager.gram = eager.gram * eager.forgetting + np.outer(x, x)
         eager.moment = eager.moment * eager.forgetting + x * seconds
-        eager._cov, eager._fitted = None, False
+        eager._cov = None
+        if teaching >= (1 if i < _WARM_STEPS else eager.refit_every):
+            eager._refresh()
+            fit, teaching = eager._theta.copy(), 0
+    eager._refresh()
     assert np.allclose(lazy.cov, eager.cov, rtol=1e-9, atol=1e-12)
     assert np.allclose(lazy.gram, eager.gram, rtol=1e-9)
     assert np.allclose(lazy.theta, eager.theta, rtol=1e-7, atol=1e-12)
     assert lazy.noise_var == pytest.approx(eager.noise_var, rel=1e-9)
+
+
+def test_a_decision_reads_a_fit_refitted_every_few_steps() -> None:
+    """Past its first steps the fit a decision prices by is refitted once `refit_every`
+    steps teach it, not on every step: between refits it is the same object."""
+    model = StepTimeModel("lookup", GoodputSettings(refit_every=4))
+    for _ in range(_WARM_STEPS):
+        model.observe(16, 16, 0, 0, 0.03)
+    fits = []
+    for i in range(8):
+        model.observe(16 + i, 16 + i, 0, 0, 0.03 + 0.001 * i)
+        fits.append(model.fit_for_decision()[0])
+    assert [f is fits[0] for f in fits[:3]] == [True] * 3  # refitted on the 4th step
+    assert fits[3] is not fits[2] and all(f is fits[3] for f in fits[3:7])
+    assert fits[7] is not fits[6]
 
 
 def test_unfitted_steps_wait_in_a_bounded_list() -> None:
@@ -169,9 +185,9 @@ def test_no_cost_is_fitted_below_zero() -> None:
         model.observe(16, 16, 0, 0, 0.032)
         model.observe(16, 16, 10, 1, 0.031)
         model.observe(16, 16, 100, 1, 0.040)
-    pass_cost = 6  # the feature's index: constant, t - l, l, three knots, then passes
+    pass_cost = 3 + len(KNOTS)  # the feature's index: constant, t - l, l, the knots
     assert model.theta[pass_cost] == 0.0
-    assert (model.theta[[0, 1, 2, 6, 7]] >= 0).all()
+    assert (model.theta[[0, 1, 2, pass_cost, pass_cost + 1]] >= 0).all()
     drafting = model.predict(np.full(3, 16), np.full(3, 16), np.array([1, 10, 100]),
                              np.ones(3, dtype=int))
     assert (drafting >= float(model.predict(16, 16, 0, 0)) - 1e-9).all()
@@ -594,7 +610,7 @@ def test_a_few_verifications_are_counted_as_the_histograms_count_them(
         steps: list[tuple[int, int, int, int]]) -> None:
     """One to four verifications a step are added one by one; the counts are the
     histograms' (the path every larger step takes), cell by cell."""
-    import scheduler.goodput as goodput
+    import scheduler.acceptance as acceptance
 
     verified = [v for v, _, _, _ in steps]
     accepted = [min(a, v) for v, a, _, _ in steps]
@@ -603,11 +619,11 @@ def test_a_few_verifications_are_counted_as_the_histograms_count_them(
     few = AcceptanceEstimates(K, GoodputSettings())
     few.record(verified, accepted, states, produced)
     many = AcceptanceEstimates(K, GoodputSettings())
-    few_limit, goodput._FEW = goodput._FEW, 0
+    few_limit, acceptance._FEW = acceptance._FEW, 0
     try:
         many.record(verified, accepted, states, produced)
     finally:
-        goodput._FEW = few_limit
+        acceptance._FEW = few_limit
     assert np.array_equal(few.reached, many.reached)
     assert np.array_equal(few.accepted, many.accepted)
     assert few.reached.sum() > 0
@@ -653,3 +669,19 @@ def test_the_scheduler_takes_each_admitted_requests_cap_from_the_policy(
         scheduler.add_request(make_request(f"r{i}", prompt_len=8, max_tokens=40))
     run_step(scheduler, runner)
     assert [len(r.spec_token_ids) for r in scheduler.running] == [K, 1, 0, 0]
+
+
+def test_the_rate_tables_are_rebuilt_once_enough_verifications_are_new() -> None:
+    """A decision reads the estimates' rate tables as last built until the verifications
+    recorded since exceed `stale_share` of those counted: then they match the counts."""
+    est = AcceptanceEstimates(K, GoodputSettings(stale_share=0.1))
+    est.record([K] * 100, [1] * 100)
+    built = est.tables()
+    est.record([K] * 5, [K] * 5)  # 5 new of ~100 counted: not yet
+    assert est.tables() is built
+    est.record([K] * 6, [K] * 6)  # 11 new
+    fresh = est.tables()
+    assert fresh is not built
+    np.testing.assert_allclose(fresh.pooled, est.pooled_rates())
+    np.testing.assert_allclose(fresh.cells, est.cell_rates(
+        est.pooled_rates(), est.position_rates(), est.span_rates()))
