@@ -19,8 +19,14 @@ from scheduler.budget import ThrottleRule
 from scheduler.config import GoodputSettings
 
 # Where the hinges of the step-time model sit, in rows that give logits: past each, a
-# pass is more bound by compute than by reading the weights.
-KNOTS = (16, 64, 256)
+# pass is more bound by compute than by reading the weights. The first is where this
+# project's CPU stops passing rows for free: the default model's bfloat16 forward (oneDNN,
+# AVX512-BF16) costs the same from 1 to 6 or 7 rows, then ~1 ms a row (measured: one
+# request, 1-7 rows 26-33 ms, 8-14 rows 33-36, 24 rows 45, 64 rows 91; steps of 4
+# running ngram K = 4, 3-6 logit rows 28.5 ms, 7-11 rows 32.5). Without it the fit
+# drew one slope through the free rows and the dear ones, 0.3-0.4 ms a row at 1 and 4
+# running, and drafted too little there.
+KNOTS = (6, 16, 64, 256)
 _KNOTS = np.array(KNOTS, dtype=float)
 _NUM_FEATURES = 5 + 2 * len(KNOTS)  # constant, t - l, l, p, d and the hinges of l and d
 # Prior step-time parameters (seconds) by drafter kind. The target's: a constant, per
@@ -31,12 +37,12 @@ _NUM_FEATURES = 5 + 2 * len(KNOTS)  # constant, t - l, l, p, d and the hinges of
 # launch, whatever its rows), per row, and past each knot. The target's are rounded
 # from a fit to 750 steps of the default model in bfloat16 on this project's 2-core
 # CPU, ngram K = 4 at 1, 4, 16 and 64 requests (a verification row ~0.9 ms at every
-# batch size: the fit's changes of slope were within its noise); the fit replaces them
-# wherever rows vary.
-_TARGET_PRIOR = (0.016, 0.0006, 0.0009, 0.0, 0.0, 0.0)
-_DRAFTER_PRIOR = {"lookup": (0.0,) * 5,
-                  "head": (0.002, 0.00002, 0.00002, 0.00002, 0.0),
-                  "lm": (0.016, 0.001, 0.0004, 0.0, 0.0)}  # a pass like the target's
+# batch size: the fit's changes of slope were within its noise), but for the first
+# knot: below it a row costs little (above). The fit replaces them wherever rows vary.
+_TARGET_PRIOR = (0.016, 0.0006, 0.0001, 0.0008, 0.0, 0.0, 0.0)
+_DRAFTER_PRIOR = {"lookup": (0.0,) * 6,
+                  "head": (0.002, 0.00002, 0.0, 0.00002, 0.00002, 0.0),
+                  "lm": (0.016, 0.001, 0.0, 0.0004, 0.0, 0.0)}  # a pass like the target's
 # How much the prior weighs, in steps of 64 rows (pseudo-observations as noisy as a
 # real step): little for the constants and base slopes (the data soon decides them),
 # more for the changes of slope at the knots, so rows past a knot no step has reached
@@ -67,7 +73,10 @@ def _prior_precision(drafter_kind: str) -> np.ndarray:
     base, knot = _PRIOR_STEPS_BASE, _PRIOR_STEPS_KNOT
     drafting = _PRIOR_STEPS_HEAD_PASS if drafter_kind == "head" else base
     rows = float(_REFERENCE_ROWS) ** 2
-    hinges = [knot * rows] * len(KNOTS)
+    # The first knot's change weighs as little as a base slope: steps on both sides of
+    # it are common (4 running drafting 0-2 each), and rows from 1 to 6 differ too
+    # little for a few steps to overrule a heavier prior.
+    hinges = [base * rows] + [knot * rows] * (len(KNOTS) - 1)
     target = [base, base * rows, base * rows, *hinges]
     drafter = [drafting, base * rows, *hinges]
     return np.diag(np.array(target + drafter))
