@@ -98,10 +98,9 @@ class GoodputPolicy:
         if self.holding(num, remaining is not None):
             return self.hold()
         self._held = False
-        if not planned:
-            kept = self._kept_caps(verifications, states, rule_k, produced)
-            if kept is not None:
-                return kept
+        kept = self._kept_caps(verifications, states, rule_k, produced, planned)
+        if kept is not None:
+            return kept
         fresh = np.zeros(1, dtype=np.int64)
         own, bonus = self.acceptance.rates_and_optimism(
             np.concatenate([verifications, np.zeros((1, NUM_OUTCOMES), dtype=np.int64)]),
@@ -114,20 +113,29 @@ class GoodputPolicy:
         if planned and remaining is not None:
             # A plan drafts every request alike or not at all, so optimism there would
             # try drafts on the whole batch at once: at the mean, at the method's K.
-            self._kept = None  # a plan decides per step
             gains = self._gains(own)
             limit = np.minimum(limit, self._finish_plan(gains[:num], remaining, catch_up))
             gains[np.arange(self.max_k)[None, :] >= limit[:, None]] = 0.0
             caps = limit
             self.earned_request_cap = int(caps[num])  # nobody joins a closed batch
+            self._kept, self._kept_steps = None, 1
+            if self._may_keep(caps[:num], produced):
+                assert produced is not None
+                self._kept = KeptChoice.of_plan(caps[:num], gains[:num], verifications,
+                                                produced)
         else:
             gains = self._gains(own + bonus[:, None], limit)
             threshold, margin = self._threshold(gains[:num], max(num, 1), catch_up)
             caps = (gains >= threshold).sum(axis=1)
             caps, explorers = self._few_explorers(caps, self._gains(own, limit), threshold)
             # Held only where every request could have drafted: one in prefill now
-            # may draft in a step or two.
-            self._keep(margin if num and (rule_k > 0).all() else 0.0, num, planned=False)
+            # may draft in a step or two. Nobody drafting, nothing is verified and the
+            # estimates stand still, so the choice is held at least as long as one
+            # that drafts is kept (`_keep_choice`).
+            eligible = bool(num) and bool((rule_k > 0).all()) and threshold == np.inf
+            self._keep(margin if eligible else 0.0, num, planned=False,
+                       at_least=self.settings.reuse_steps - 1
+                       if eligible and self.time_model.settled else 0)
             self._keep_choice(caps[:num], gains[:num], threshold, verifications,
                               first_accepted, produced, bonus[:num] * explorers)
         chosen = np.arange(self.max_k)[None, :] < caps[:, None]
@@ -136,11 +144,14 @@ class GoodputPolicy:
         return caps[:num]
 
     def _kept_caps(self, verifications: np.ndarray, states: np.ndarray,
-                   rule_k: np.ndarray, produced: np.ndarray | None) -> np.ndarray | None:
+                   rule_k: np.ndarray, produced: np.ndarray | None,
+                   planned: bool) -> np.ndarray | None:
         """This step's caps from the last decision that drafted (scheduler/kept_choice.py),
-        or None where a decision is due."""
+        or None where a decision is due (a plan's kept only while the batch is closed,
+        a step's only while it is open)."""
         kept, self._kept = self._kept, None
-        if kept is None or self._kept_steps >= self.settings.reuse_steps or produced is None:
+        if (kept is None or kept.planned != planned or produced is None
+                or self._kept_steps >= self.settings.reuse_steps):
             return None
         self._kept_steps += 1
         got = kept.caps_now(verifications, states, rule_k, produced, self._kept_steps)
@@ -160,10 +171,10 @@ class GoodputPolicy:
         is young: its first steps move it most (the first drafting steps may show rows
         to be nearly free)."""
         self._kept, self._kept_steps = None, 1
-        num = len(caps)
-        if (self.settings.reuse_steps <= 1 or not num or not caps.any() or produced is None
-                or not self.time_model.settled):
+        if not self._may_keep(caps, produced):
             return
+        assert produced is not None
+        num = len(caps)
         each = np.repeat(np.arange(num), NUM_OUTCOMES)
         outcomes = np.tile(np.arange(NUM_OUTCOMES), num)
         own, _ = self.acceptance.rates_and_optimism(
@@ -171,6 +182,12 @@ class GoodputPolicy:
             unverified=np.zeros(len(each), dtype=np.int64), produced=produced[each])
         by_state = self._gains(own + bonus[each, None]).reshape(num, NUM_OUTCOMES, -1)
         self._kept = KeptChoice.of(caps, gains, by_state, threshold, verifications, produced)
+
+    def _may_keep(self, caps: np.ndarray, produced: np.ndarray | None) -> bool:
+        """Whether a decision with these caps is kept for the next steps: one that
+        drafts (one that does not is held, `holding`), once the time model has settled."""
+        return (self.settings.reuse_steps > 1 and bool(caps.any()) and produced is not None
+                and self.time_model.settled)
 
     def _gains(self, rates: np.ndarray, limit: np.ndarray | None = None) -> np.ndarray:
         """[N, K] the chance each request's first j + 1 drafts are all accepted, by the
@@ -237,13 +254,13 @@ class GoodputPolicy:
         self._idle_steps = min(self._idle_steps,
                                int(self._idle_margin / self.settings.idle_margin_per_step))
 
-    def _keep(self, margin: float, num: int, planned: bool) -> None:
+    def _keep(self, margin: float, num: int, planned: bool, at_least: int = 0) -> None:
         """Hold a decision that drafted nothing, `margin` short of paying (0.1: the
         best drafts predicted 10 % slower), one step per `idle_margin_per_step` of it,
-        at most `max_idle_steps`."""
+        and `at_least` steps, at most `max_idle_steps`."""
         settings = self.settings
         self._idle_steps = min(settings.max_idle_steps,
-                               int(margin / settings.idle_margin_per_step))
+                               max(int(margin / settings.idle_margin_per_step), at_least))
         self._idle_num, self._idle_planned, self._idle_margin = num, planned, margin
 
     def hold(self) -> np.ndarray:
@@ -267,7 +284,8 @@ class GoodputPolicy:
         plan, margin = finish_caps(gains, np.full(num, self.max_k), remaining, catch_up,
                                    self.costs, self.time_model, self.budget,
                                    settings.finish_min_gain)
-        self._keep(margin, num, planned=True)
+        idle = not plan.any() and self.time_model.settled
+        self._keep(margin, num, planned=True, at_least=settings.reuse_steps - 1 if idle else 0)
         # Nobody joins a closed batch; a request preempted back into it waits, so the
         # next step plans per step again.
         return np.append(plan, plan.max())

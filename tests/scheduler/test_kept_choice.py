@@ -78,24 +78,29 @@ def test_a_kept_choice_lasts_its_steps_and_no_longer(monkeypatch: pytest.MonkeyP
         assert made[0] == 2 * (i // 3 + 1)
 
 
-@pytest.mark.parametrize("change", ["joined", "replaced", "drafts fell"])
+@pytest.mark.parametrize("change", ["joined", "replaced", "drafts fell", "none drafts"])
 def test_a_kept_choice_is_dropped_where_the_batch_changed(
         change: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A request joined, one was replaced by another (its output could not have
-    shrunk), or the drafts fell to under half the decision's (a drafter pass paid for
-    many may not pay for few): the next step decides again."""
+    shrunk), or the drafts fell to under half the decision's but not to none (a
+    drafter pass paid for many may not pay for few): the next step decides again.
+    Where none drafts, the kept choice holds."""
     gp = runs_policy(reuse_steps=4)
     made = decisions(gp, monkeypatch)
-    start = history([50, 50])
-    assert step(gp, start, [ALL_ACCEPTED] * 2, [40, 40]) == [K, K]
-    now = verified(start, [0, 1], ALL_ACCEPTED)
+    start = history([50, 50, 50])
+    assert step(gp, start, [ALL_ACCEPTED] * 3, [40] * 3) == [K] * 3
+    now = verified(start, [0, 1, 2], ALL_ACCEPTED)
     if change == "joined":
         step(gp, np.vstack([now, np.zeros((1, NUM_OUTCOMES), dtype=np.int64)]),
-             [ALL_ACCEPTED, ALL_ACCEPTED, 0], [45, 45, 0])
+             [ALL_ACCEPTED] * 3 + [0], [45, 45, 45, 0])
     elif change == "replaced":
-        step(gp, now, [ALL_ACCEPTED] * 2, [45, 3])
+        step(gp, now, [ALL_ACCEPTED] * 3, [45, 45, 3])
+    elif change == "drafts fell":  # K of the decision's 3 K
+        step(gp, now, [NONE_ACCEPTED, NONE_ACCEPTED, ALL_ACCEPTED], [41, 41, 45])
     else:
-        step(gp, now, [NONE_ACCEPTED] * 2, [41, 41])  # the kept caps: none
+        assert step(gp, now, [NONE_ACCEPTED] * 3, [41] * 3) == [0] * 3
+        assert made[0] == 2  # kept
+        return
     assert made[0] > 2  # decided again
 
 
@@ -112,3 +117,56 @@ def test_nothing_is_kept_while_the_time_model_is_young(
         verifications = verified(verifications, [0, 1], ALL_ACCEPTED)
         produced = [p + K + 1 for p in produced]
     assert made[0] == 3
+
+
+@pytest.mark.parametrize("reuse_steps", [1, 4])
+def test_a_choice_that_drafts_nothing_is_held_as_long_as_one_that_drafts_is_kept(
+        reuse_steps: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nobody drafting, nothing is verified and the estimates stand still: a choice
+    that drafts nothing, even by a margin too thin to be held on its own, is held for
+    the steps a choice that drafts would be kept (none with `reuse_steps` 1)."""
+    gp = policy("ngram", 0.02, 0.003, acceptance=0.5, reuse_steps=reuse_steps)
+    rng = np.random.default_rng(4)
+    gp.acceptance.record([K] * 400, np.minimum(rng.geometric(0.8, 400) - 1, K).tolist(),
+                         [NONE_ACCEPTED] * 400)
+    made = decisions(gp, monkeypatch)
+    for _ in range(8):  # no first draft accepted in 12 verifications
+        assert gp.caps(history([12]), np.zeros(1, dtype=np.int64), np.array([NONE_ACCEPTED]),
+                       np.full(1, K), produced=np.array([40])).tolist() == [0]
+    assert 0 < gp._idle_margin < gp.settings.idle_margin_per_step  # thin
+    assert made[0] == 8 // reuse_steps
+
+
+def test_a_closed_batchs_plan_that_drafts_is_kept_and_not_a_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A closed batch plans k to finish soonest (scheduler/finish_plan.py): a plan that
+    drafts is kept for `reuse_steps` steps in all, every request drafting alike. A
+    choice made while the batch was open is not used once it closes."""
+    import scheduler.goodput as goodput
+
+    calls: list[int] = []
+    plan = goodput.finish_caps
+    monkeypatch.setattr(goodput, "finish_caps",
+                        lambda *a, **k: calls.append(1) or plan(*a, **k))
+    gp = policy("ngram", 0.02, 0.0005, acceptance=0.7, reuse_steps=3)
+    num = 6
+    verifications, produced = history([40] * num), np.full(num, 20)
+
+    def closed(states: int) -> list[int]:
+        return gp.caps(verifications, np.full(num, 24), np.full(num, states), np.full(num, K),
+                       remaining=np.full(num, 48), produced=produced).tolist()
+
+    open_caps = gp.caps(verifications, np.full(num, 24), np.full(num, ALL_ACCEPTED),
+                        np.full(num, K), produced=produced)
+    assert open_caps.any() and not calls
+    first = closed(ALL_ACCEPTED)
+    assert calls == [1] and len(set(first)) == 1 and first[0] > 0  # planned, alike
+    kept = first
+    for i in range(5):
+        verifications = verifications + np.eye(NUM_OUTCOMES, dtype=np.int64)[ALL_ACCEPTED]
+        produced = produced + 2
+        got = closed(NONE_ACCEPTED)
+        if i % 3 == 2:  # planned again every third step
+            kept = got
+        assert got == kept  # kept whatever the state
+        assert len(calls) == 1 + (i + 1) // 3
