@@ -185,9 +185,11 @@ class GoodputPolicy:
 
     def _may_keep(self, caps: np.ndarray, produced: np.ndarray | None) -> bool:
         """Whether a decision with these caps is kept for the next steps: one that
-        drafts (one that does not is held, `holding`), once the time model has settled."""
-        return (self.settings.reuse_steps > 1 and bool(caps.any()) and produced is not None
-                and self.time_model.settled)
+        drafts (one that does not is held, `holding`) for at most `reuse_max_running`
+        requests, once the time model has settled."""
+        settings = self.settings
+        return (settings.reuse_steps > 1 and len(caps) <= settings.reuse_max_running
+                and bool(caps.any()) and produced is not None and self.time_model.settled)
 
     def _gains(self, rates: np.ndarray, limit: np.ndarray | None = None) -> np.ndarray:
         """[N, K] the chance each request's first j + 1 drafts are all accepted, by the

@@ -4,6 +4,8 @@ estimates have not moved, and a new decision where the batch or its drafts chang
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -170,3 +172,17 @@ def test_a_closed_batchs_plan_that_drafts_is_kept_and_not_a_steps(
             kept = got
         assert got == kept  # kept whatever the state
         assert len(calls) == 1 + (i + 1) // 3
+
+
+def test_nothing_is_kept_past_the_running_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past `reuse_max_running` requests each step decides: one finishes or joins
+    nearly every step there, and the caps per state would cost more than they save."""
+    gp = runs_policy(reuse_steps=4)
+    gp.settings = dataclasses.replace(gp.settings, reuse_max_running=1)
+    made = decisions(gp, monkeypatch)
+    verifications, produced = history([50, 50]), [40, 40]
+    for _ in range(3):
+        assert step(gp, verifications, [ALL_ACCEPTED] * 2, produced) == [K, K]
+        verifications = verified(verifications, [0, 1], ALL_ACCEPTED)
+        produced = [p + K + 1 for p in produced]
+    assert made[0] == 3
