@@ -51,6 +51,18 @@ def verified(verifications: np.ndarray, rows: list[int], state: int) -> np.ndarr
     return got
 
 
+def accepting_steps(gp: GoodputPolicy, made: list[int], steps: int) -> list[int]:
+    """Two requests that accept every draft, `steps` steps in a row: each step's caps
+    must be all K; the decisions made after each step."""
+    verifications, produced, after = history([50, 50]), [40, 40], []
+    for _ in range(steps):
+        assert step(gp, verifications, [ALL_ACCEPTED] * 2, produced) == [K, K]
+        verifications = verified(verifications, [0, 1], ALL_ACCEPTED)
+        produced = [p + K + 1 for p in produced]
+        after.append(made[0])
+    return after
+
+
 def test_a_kept_choice_follows_each_requests_state(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two requests in a run of accepted drafts draft all K. Next step one of them
     verified and rejected everything: without a new decision it drafts what a new
@@ -72,12 +84,7 @@ def test_a_kept_choice_lasts_its_steps_and_no_longer(monkeypatch: pytest.MonkeyP
     """`reuse_steps` steps in all, the decision's included: then a new decision."""
     gp = runs_policy(reuse_steps=3)
     made = decisions(gp, monkeypatch)
-    verifications, produced = history([50, 50]), [40, 40]
-    for i in range(7):
-        assert step(gp, verifications, [ALL_ACCEPTED] * 2, produced) == [K, K]
-        verifications = verified(verifications, [0, 1], ALL_ACCEPTED)
-        produced = [p + K + 1 for p in produced]
-        assert made[0] == 2 * (i // 3 + 1)
+    assert accepting_steps(gp, made, 7) == [2 * (i // 3 + 1) for i in range(7)]
 
 
 @pytest.mark.parametrize("change", ["joined", "replaced", "drafts fell", "none drafts"])
@@ -180,9 +187,4 @@ def test_nothing_is_kept_past_the_running_bound(monkeypatch: pytest.MonkeyPatch)
     gp = runs_policy(reuse_steps=4)
     gp.settings = dataclasses.replace(gp.settings, reuse_max_running=1)
     made = decisions(gp, monkeypatch)
-    verifications, produced = history([50, 50]), [40, 40]
-    for _ in range(3):
-        assert step(gp, verifications, [ALL_ACCEPTED] * 2, produced) == [K, K]
-        verifications = verified(verifications, [0, 1], ALL_ACCEPTED)
-        produced = [p + K + 1 for p in produced]
-    assert made[0] == 3
+    assert accepting_steps(gp, made, 3)[-1] == 3
