@@ -21,6 +21,7 @@ from runner.invariant import BudgetInvariantError
 from runner.model_runner import ModelRunner
 from runner.models.llama import LlamaForCausalLM
 from scheduler import CacheConfig, EngineCoreOutput, Request, Scheduler, SchedulerOutput
+from scheduler.config import GoodputSettings
 from scheduler.request import RequestStatus
 
 logger = logging.getLogger("specbudget.engine")
@@ -45,7 +46,12 @@ class EngineCore:
         num_blocks = config.num_kv_blocks or self.runner.num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks)
         cache_cfg = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching)
-        self.scheduler = Scheduler(sched_cfg, cache_cfg, config.speculative_config)
+        # A trained head's measured acceptance is the goodput policy's prior: a fresh
+        # engine then does not learn by drafting what the head's training measured.
+        measured = self.runner.drafter_acceptance()
+        self.scheduler = Scheduler(sched_cfg, cache_cfg, config.speculative_config,
+                                   goodput=GoodputSettings(prior_acceptance=measured)
+                                   if measured else None)
         self._check_kv_holds_one_request(num_blocks)
         self._failed_steps = 0  # in a row
         logger.info("dtype %s, linear kernel %s", self.runner.dtype_description,

@@ -156,6 +156,12 @@ class ModelDrafter:
         self.feature_dim = len(net.aux_layer_ids) * target.config.hidden_size
         self.feature_cache: torch.Tensor | None = None  # [num_blocks * block_size, F]
 
+    @property
+    def measured_acceptance(self) -> tuple[float, ...] | None:
+        """A trained head's acceptance per position as measured in training; None for a
+        draft LM or a head that came without it."""
+        return getattr(self.net, "measured_acceptance", None)
+
     def kv_bytes_per_block(self) -> int:
         cfg = self.net.config
         features = (self.block_size * self.feature_dim * self.hidden.element_size()

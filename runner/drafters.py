@@ -50,6 +50,12 @@ class Drafter(Protocol):
         """Bytes of the drafter's own buffers, beyond the runner's step buffers."""
         ...
 
+    @property
+    def measured_acceptance(self) -> tuple[float, ...] | None:
+        """Acceptance per draft position as measured for this drafter (a trained
+        head's, runner/eagle3.py `measured_acceptance`), or None."""
+        ...
+
     def kv_bytes_per_block(self) -> int:
         """KV bytes the drafter's own cache needs per block of the shared block table."""
         ...
@@ -85,6 +91,7 @@ class TokenDrafter:
 
     aux_layer_ids: tuple[int, ...] = ()
     buffer_bytes = 0
+    measured_acceptance: tuple[float, ...] | None = None  # learnt online from nothing
 
     def __init__(self, proposer: TokenProposer, states: RequestStates) -> None:
         self.proposer, self.states = proposer, states

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,9 @@ class Eagle3Head(nn.Module):
         super().__init__()
         c = config.llama
         self.head_config = config
+        # Acceptance per draft position as measured in training (`measured_acceptance`),
+        # if the head came with it.
+        self.measured_acceptance: tuple[float, ...] | None = None
         self._target = [target]  # a list: not registered, the target stays the owner
         self.fc = nn.Linear(len(config.aux_layer_ids) * c.hidden_size, c.hidden_size,
                             bias=False)
@@ -269,4 +273,30 @@ def load_eagle3(path: Path, target: LlamaForCausalLM) -> Eagle3Head:
             raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(own[name].shape)}")
     head.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+    head.measured_acceptance = measured_acceptance(path)
     return head.eval()
+
+
+def measured_acceptance(path: Path) -> tuple[float, ...] | None:
+    """The acceptance of each draft position, given the ones before it were accepted,
+    as measured when `specbudget train-drafter` wrote the head at `path`: served on
+    held-out chat (`metrics.json`'s "served"; positions reached too rarely to say are
+    left out), else its held-out agreement (`config.json`'s "specbudget"), else None (a
+    head from elsewhere). The goodput policy starts from it instead of a generic prior."""
+    try:
+        served = json.loads((path / "metrics.json").read_text()).get("served") or {}
+        reached = [float(a) for a in served.get("acceptance_per_position", [])]
+    except (OSError, ValueError, AttributeError, TypeError):
+        reached = []
+    if reached and reached[0] > 0:
+        chain = [1.0, *reached]
+        # Each position's share of those that reached it, while enough did (a rate
+        # from a few dozen drafts says little).
+        rates = [b / a for a, b in pairwise(chain) if a >= 0.05]
+        return tuple(round(min(max(r, 0.0), 1.0), 4) for r in rates)
+    try:
+        trained = json.loads((path / "config.json").read_text())["specbudget"]["trained"]
+        agreement = [float(a) for a in trained["held_out_agreement_per_step"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return tuple(min(max(a, 0.0), 1.0) for a in agreement) or None

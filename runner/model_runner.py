@@ -162,6 +162,12 @@ class ModelRunner:
         if self.spec:
             self.spec.initialize_kv_cache(num_blocks)
 
+    def drafter_acceptance(self) -> tuple[float, ...] | None:
+        """The drafter's acceptance per draft position as measured when it was trained
+        (None: no drafter, or none measured); the engine hands it to the scheduler's
+        goodput policy as its prior, as it hands over the KV size."""
+        return self.spec.measured_acceptance if self.spec else None
+
     @property
     def dtype_description(self) -> str:
         """e.g. "float32 (auto: the CPU has no native bfloat16 ...)"."""

@@ -52,6 +52,11 @@ class SpecDecoder:
         """Target layers whose inputs the drafter reads (an EAGLE-3 head's three)."""
         return self.drafter.aux_layer_ids
 
+    @property
+    def measured_acceptance(self) -> tuple[float, ...] | None:
+        """The drafter's acceptance per position as measured in training, if known."""
+        return self.drafter.measured_acceptance
+
     def kv_bytes_per_block(self) -> int:
         return self.drafter.kv_bytes_per_block()
 

@@ -76,6 +76,7 @@ class AcceptanceEstimates:
 
     def __init__(self, max_k: int, settings: GoodputSettings) -> None:
         self.settings = settings
+        self.prior = np.asarray(settings.prior_by_position(max_k))  # [K]
         # Decayed counts per state, span and draft position.
         self.accepted = np.zeros((NUM_OUTCOMES, NUM_SPANS, max_k))
         self.reached = np.zeros((NUM_OUTCOMES, NUM_SPANS, max_k))
@@ -115,7 +116,7 @@ class AcceptanceEstimates:
         together, smoothed by the prior."""
         s = self.settings
         return _shrunk(self.accepted.sum(axis=(0, 1)), self.reached.sum(axis=(0, 1)),
-                       np.asarray(s.prior_acceptance), s.prior_weight)
+                       self.prior, s.prior_weight)
 
     def position_rates(self, pooled: np.ndarray | None = None) -> np.ndarray:
         """[NUM_OUTCOMES, K] per state of the last verification, all spans together,

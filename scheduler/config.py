@@ -68,7 +68,12 @@ class CacheConfig:
 class GoodputSettings:
     """The policy's knobs; the defaults serve, tests pin them."""
 
-    prior_acceptance: float = 0.5  # per reached draft, before any verification
+    # Acceptance of a reached draft before any verification: one figure for every
+    # position, or one per position (the last repeated). A trained head brings its
+    # own, measured when it was trained (`ModelRunner.drafter_acceptance`): eagle's
+    # first draft is accepted 0.36 of the time served, and a fresh engine that
+    # assumed 0.5 drafted its whole batch of 16 at once and lost (measured).
+    prior_acceptance: float | tuple[float, ...] = 0.5
     prior_weight: float = 8.0  # pseudo-observations behind that prior
     request_weight: float = 4.0  # a request's own history counts after this many
     # Of the global counts, per verification recorded (not per step: at one request a
@@ -133,3 +138,16 @@ class GoodputSettings:
     # simulated: 1.48 ms kept against 1.35 ms not; at 1,024, 5.96 against 4.72); a
     # decision is also a small share of a step that long.
     reuse_max_running: int = 32
+
+    def __post_init__(self) -> None:
+        prior = self.prior_acceptance
+        values = prior if isinstance(prior, tuple) else (prior,)
+        if not values or not all(0.0 <= float(v) <= 1.0 for v in values):
+            raise ValueError(f"GoodputSettings.prior_acceptance must be one or more "
+                             f"acceptance rates in [0, 1], got {prior!r}")
+
+    def prior_by_position(self, max_k: int) -> tuple[float, ...]:
+        """`prior_acceptance` for draft positions 1..max_k (a tuple's last repeated)."""
+        prior = self.prior_acceptance
+        values = tuple(float(v) for v in (prior if isinstance(prior, tuple) else (prior,)))
+        return (values + values[-1:] * max_k)[:max_k]

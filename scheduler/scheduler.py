@@ -13,7 +13,7 @@ import numpy as np
 
 from scheduler.budget import RequestView, ThrottleRule, check_budget_config, plan_chunk
 from scheduler.bulk_plan import RunningCounters, plan_bulk
-from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.config import CacheConfig, GoodputSettings, SchedulerConfig
 from scheduler.goodput import GoodputPolicy
 from scheduler.kv_cache_manager import KVCacheBlock, KVCacheManager
 from scheduler.outputs import (
@@ -38,7 +38,10 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  speculative_config: SpeculativeConfig | None = None,
-                 rule: ThrottleRule | None = None) -> None:
+                 rule: ThrottleRule | None = None,
+                 goodput: GoodputSettings | None = None) -> None:
+        """`goodput`: the goodput policy's settings (defaults if None), e.g. the
+        acceptance a trained head was measured at, as its prior."""
         self.config = scheduler_config
         self.cache_config = cache_config
         self.speculative_config = speculative_config
@@ -50,7 +53,8 @@ class Scheduler:
                                                         and speculative_config.parks))
         check_budget_config(self.rule, speculative_config, scheduler_config.max_num_batched_tokens)
         # draft_policy="goodput": a cap on each request's k per step (scheduler/goodput.py).
-        self.policy = (GoodputPolicy(self.rule, scheduler_config.max_num_batched_tokens)
+        self.policy = (GoodputPolicy(self.rule, scheduler_config.max_num_batched_tokens,
+                                     goodput)
                        if speculative_config is not None
                        and speculative_config.draft_policy == "goodput" else None)
         self.kv = KVCacheManager(cache_config)

@@ -39,9 +39,14 @@ _NUM_FEATURES = 5 + 2 * len(KNOTS)  # constant, t - l, l, p, d and the hinges of
 # CPU, ngram K = 4 at 1, 4, 16 and 64 requests (a verification row ~0.9 ms at every
 # batch size: the fit's changes of slope were within its noise), but for the first
 # knot: below it a row costs little (above). The fit replaces them wherever rows vary.
+# A head's are measured the same way (eagle's trained head, bfloat16, its passes timed
+# in the runner at 1-64 running, K = 4): 1.5 ms for one row, 2.2 for 4, 3.0 for 12, 5.5
+# for 30, 12.7 for 152 (a catch-up), so ~0.1 ms a row to 64, 0.06 past it. A prior of
+# 0.02 ms a row priced a fresh engine's catch-ups (200+ rows) at a third of their time,
+# and it drafted where that lost (measured at 16 running).
 _TARGET_PRIOR = (0.016, 0.0006, 0.0001, 0.0008, 0.0, 0.0, 0.0)
 _DRAFTER_PRIOR = {"lookup": (0.0,) * 6,
-                  "head": (0.002, 0.00002, 0.0, 0.00002, 0.00002, 0.0),
+                  "head": (0.0016, 0.0001, 0.0, 0.0, -0.00004, 0.0),
                   "lm": (0.016, 0.001, 0.0, 0.0004, 0.0, 0.0)}  # a pass like the target's
 # How much the prior weighs, in steps of 64 rows (pseudo-observations as noisy as a
 # real step): little for the constants and base slopes (the data soon decides them),

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from engine.llm import LLM
-from runner.eagle3 import default_aux_layers, load_eagle3
+from runner.eagle3 import default_aux_layers, load_eagle3, measured_acceptance
 from runner.models.llama import LlamaForCausalLM
 from scheduler import SamplingParams
+from scheduler.config import GoodputSettings
 from tests.server_helpers import default_model
 
 pytestmark = pytest.mark.model  # loads the real default model
@@ -89,6 +90,44 @@ def test_published_layout_serves_losslessly(model: LlamaForCausalLM, tmp_path: P
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     drafted = on.get_metrics()["spec_decode"]["num_draft_tokens"]
     assert drafted > 0  # it really drafted (ids from its d2t map), and stayed lossless
+
+
+def test_measured_acceptance_comes_from_the_head_dir(tmp_path: Path) -> None:
+    """Served acceptance per position (metrics.json) becomes each position's share of
+    those that reached it, positions reached under 5 % of the time dropped; without it
+    the held-out agreement config.json carries; without either, or from a broken
+    metrics.json, nothing (the generic prior then)."""
+    head = tmp_path / "head"
+    head.mkdir()
+    assert measured_acceptance(head) is None
+    (head / "config.json").write_text(json.dumps(
+        {"specbudget": {"trained": {"held_out_agreement_per_step": [0.33, 0.28]}}}))
+    assert measured_acceptance(head) == (0.33, 0.28)
+    (head / "metrics.json").write_text("{not json")
+    assert measured_acceptance(head) == (0.33, 0.28)
+    (head / "metrics.json").write_text(json.dumps(
+        {"served": {"acceptance_per_position": [0.4, 0.2, 0.04, 0.01]}}))
+    assert measured_acceptance(head) == pytest.approx((0.4, 0.5, 0.2))
+
+
+def test_engine_hands_the_heads_measured_acceptance_to_the_scheduler(
+        model: LlamaForCausalLM, tmp_path: Path) -> None:
+    """The goodput policy of an engine serving a head that came with its measured
+    acceptance starts from it; one without starts from the generic prior."""
+    write_published_layout(tmp_path / "head", model, [2, 15, 27])
+    spec = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
+
+    def prior() -> list[float]:
+        llm = LLM(loaded_model=model, num_kv_blocks=16, max_model_len=128,
+                  speculative_config=spec)
+        policy = llm.engine.scheduler.policy  # type: ignore[union-attr]
+        assert policy is not None
+        return policy.acceptance.pooled_rates().tolist()
+
+    assert prior() == pytest.approx([GoodputSettings().prior_acceptance] * 3)
+    (tmp_path / "head" / "metrics.json").write_text(json.dumps(
+        {"served": {"acceptance_per_position": [0.3, 0.15, 0.06]}}))
+    assert prior() == pytest.approx([0.3, 0.5, 0.4])
 
 
 def test_head_for_another_target_is_refused(model: LlamaForCausalLM, tmp_path: Path) -> None:

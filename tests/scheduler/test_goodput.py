@@ -83,6 +83,39 @@ def test_acceptance_counts_only_reached_positions() -> None:
     assert not est.reached[FRESH + 1:].any()  # no state given: every one is FRESH
 
 
+def test_a_prior_per_position_starts_each_position_there() -> None:
+    """A tuple prior (a trained head's measured acceptance) sets each position's rate
+    before any verification, its last repeated past its end; verifications then move
+    each position from its own prior. A prior outside [0, 1] is refused by name."""
+    settings = GoodputSettings(prior_acceptance=(0.36, 0.47, 0.42))
+    est = AcceptanceEstimates(5, settings)
+    assert est.pooled_rates() == pytest.approx([0.36, 0.47, 0.42, 0.42, 0.42])
+    assert GoodputSettings(prior_acceptance=0.3).prior_by_position(2) == (0.3, 0.3)
+    est.record([1] * 8, [1] * 8)  # 8 first drafts, all accepted: weight 8 each side
+    assert est.pooled_rates()[0] == pytest.approx((8 + 8 * 0.36) / 16)
+    assert est.pooled_rates()[1:] == pytest.approx([0.47, 0.42, 0.42, 0.42])
+    for bad in ((), (0.5, 1.5), -0.1):
+        with pytest.raises(ValueError, match="prior_acceptance"):
+            GoodputSettings(prior_acceptance=bad)  # type: ignore[arg-type]
+
+
+def test_a_low_measured_prior_keeps_a_fresh_batch_from_drafting() -> None:
+    """Sixteen fresh requests whose head was measured to accept its first draft 0.2 of
+    the time draft less than under the generic prior (0.5), on the same step-time
+    model: the prior is what a fresh engine decides on."""
+    num = 16
+    rule = ThrottleRule(get_method("eagle"), K, 4096)
+    drafts = []
+    for prior in (0.5, 0.2):
+        policy = GoodputPolicy(rule, 256, GoodputSettings(prior_acceptance=prior,
+                                                          explore=0.0))
+        caps = policy.caps(np.zeros((num, NUM_OUTCOMES), dtype=np.int64),
+                           np.zeros(num, dtype=np.int64), np.full(num, FRESH),
+                           np.full(num, K))
+        drafts.append(int(caps.sum()))
+    assert drafts[1] < drafts[0]
+
+
 def test_outcomes_and_counts_per_state() -> None:
     assert [outcome(3, 3), outcome(3, 1), outcome(3, 0), outcome(1, 1)] == [
         ALL_ACCEPTED, SOME_ACCEPTED, NONE_ACCEPTED, ALL_ACCEPTED]
