@@ -39,6 +39,17 @@ def non_negative(text: str) -> float:
     return value
 
 
+def positive(text: str) -> float:
+    """An argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0.0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def trainable_methods() -> tuple[str, ...]:
     """The registered methods with a head to train (a `train_layout`): `--method`'s
     choices, read when the parser is built."""
@@ -58,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=at_least(1), default=262_144,
                         help="training positions (three quarters chat, a quarter code)")
     parser.add_argument("--updates", type=at_least(1), default=1200)
+    parser.add_argument("--lr", type=positive, default=1e-3,
+                        help="peak learning rate (linear warm-up, cosine decay to a tenth)")
     parser.add_argument("--max-prompts", type=at_least(1), default=None,
                         help="use only the first N training instructions")
     # ce by measurement (README): on the same data an eagle head served a mean

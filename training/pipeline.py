@@ -180,7 +180,8 @@ def run(args: argparse.Namespace) -> dict:
     head = Eagle3Head(config, model, seed=args.seed)
     init_from_target(head, model, d2t)
     out.mkdir(parents=True, exist_ok=True)
-    train_config = TrainConfig(updates=args.updates, depth=args.num_speculative_tokens,
+    train_config = TrainConfig(updates=args.updates, lr=args.lr,
+                               depth=args.num_speculative_tokens,
                                seed=args.seed, method=args.method, noise=args.noise,
                                autocast_bf16=model.lm_head.weight.dtype == torch.bfloat16)
     # A checkpoint resumes only the run that wrote it: the same data, draft vocabulary,
@@ -197,7 +198,7 @@ def run(args: argparse.Namespace) -> dict:
                "expected_acceptance_length": round(expected_length(accs), 3),
                "train_windows": len(splits["train"][0]),
                "eval_windows": len(splits["eval"][0]), "window": WINDOW,
-               "updates": args.updates, "seed": args.seed, "loss": args.loss,
+               "updates": args.updates, "lr": args.lr, "seed": args.seed, "loss": args.loss,
                "noise": args.noise, "draft_vocab_size": args.draft_vocab_size,
                "data_answer_tokens": int((splits["train"][3] >= 0).sum()),
                "data_s": round(data_s, 1), "wall_s": round(time.monotonic() - started, 1)}

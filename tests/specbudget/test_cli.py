@@ -301,6 +301,8 @@ def test_serve_bench_script_self_contained(tmp_path: Path) -> None:
     (["--tokens", "0"], "must be >= 1, got 0"),
     (["--updates", "-1"], "must be >= 1, got -1"),
     (["--max-prompts", "x"], "not an integer"),
+    (["--lr", "0"], "must be a finite number > 0, got 0"),
+    (["--lr", "nan"], "must be a finite number > 0, got nan"),
 ])
 def test_train_drafter_refuses_bad_options_at_parse_time(
         argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:

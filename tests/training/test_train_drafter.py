@@ -153,10 +153,10 @@ def test_train_drafter_command_writes_a_head_that_serves(tmp_path: Path,
     out = tmp_path / "head"
     assert main(["train-drafter", "--tokens", "512", "--updates", "4", "--max-prompts", "2",
                  "--draft-vocab-size", "256", "--num-speculative-tokens", "2",
-                 "--served-prompts", "1", "--loss", "kl", "--no-progress",
+                 "--served-prompts", "1", "--loss", "kl", "--lr", "2e-3", "--no-progress",
                  "--out", str(out)]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["train_windows"] == 4 and metrics["updates"] == 4
+    assert metrics["train_windows"] == 4 and metrics["updates"] == 4 and metrics["lr"] == 2e-3
     assert metrics["loss"] == "kl" and metrics["data_answer_tokens"] > 0
     served = metrics["served"]  # the head served on a held-out instruction
     assert served["lossless"] and served["draft_tokens"] > 0
