@@ -72,7 +72,7 @@ class GoodputSettings:
     # position, or one per position (the last repeated). A trained head brings its
     # own, measured when it was trained (`ModelRunner.drafter_acceptance`): eagle's
     # first draft is accepted 0.36 of the time served, and a fresh engine that
-    # assumed 0.5 drafted its whole batch of 16 at once and lost (measured).
+    # assumed 0.5 drafted at 16 running where it lost (measured: README).
     prior_acceptance: float | tuple[float, ...] = 0.5
     prior_weight: float = 8.0  # pseudo-observations behind that prior
     request_weight: float = 4.0  # a request's own history counts after this many
