@@ -293,7 +293,7 @@ def measured_acceptance(path: Path) -> tuple[float, ...] | None:
         # Each position's share of those that reached it, while enough did (a rate
         # from a few dozen drafts says little).
         rates = [b / a for a, b in pairwise(chain) if a >= 0.05]
-        return tuple(round(min(max(r, 0.0), 1.0), 4) for r in rates)
+        return tuple(min(max(r, 0.0), 1.0) for r in rates)
     try:
         trained = json.loads((path / "config.json").read_text())["specbudget"]["trained"]
         agreement = [float(a) for a in trained["held_out_agreement_per_step"]]

@@ -140,14 +140,16 @@ class GoodputSettings:
     reuse_max_running: int = 32
 
     def __post_init__(self) -> None:
-        prior = self.prior_acceptance
-        values = prior if isinstance(prior, tuple) else (prior,)
-        if not values or not all(0.0 <= float(v) <= 1.0 for v in values):
+        values = self._prior_values()
+        if not values or not all(0.0 <= v <= 1.0 for v in values):
             raise ValueError(f"GoodputSettings.prior_acceptance must be one or more "
-                             f"acceptance rates in [0, 1], got {prior!r}")
+                             f"acceptance rates in [0, 1], got {self.prior_acceptance!r}")
+
+    def _prior_values(self) -> tuple[float, ...]:
+        prior = self.prior_acceptance
+        return tuple(float(v) for v in (prior if isinstance(prior, tuple) else (prior,)))
 
     def prior_by_position(self, max_k: int) -> tuple[float, ...]:
         """`prior_acceptance` for draft positions 1..max_k (a tuple's last repeated)."""
-        prior = self.prior_acceptance
-        values = tuple(float(v) for v in (prior if isinstance(prior, tuple) else (prior,)))
+        values = self._prior_values()
         return (values + values[-1:] * max_k)[:max_k]
