@@ -50,7 +50,9 @@ class EngineCore:
         # engine then does not learn by drafting what the head's training measured.
         measured = self.runner.drafter_acceptance()
         self.scheduler = Scheduler(sched_cfg, cache_cfg, config.speculative_config,
-                                   goodput=GoodputSettings(prior_acceptance=measured)
+                                   goodput=GoodputSettings(
+                                       prior_acceptance=measured.rates,
+                                       prior_evidence=measured.verifications)
                                    if measured else None)
         self._check_kv_holds_one_request(num_blocks)
         self._failed_steps = 0  # in a row

@@ -28,6 +28,7 @@ from runner.model_prep import DEFAULT_MODEL_NAME, resolve_model
 from runner.models.llama import LlamaConfig, LlamaForCausalLM
 from runner.request_states import RequestStates
 from spec_decode import SpeculativeConfig, get_method
+from spec_decode.measured import MeasuredAcceptance
 from spec_decode.passes import (
     MASK_ROW,
     DraftPass,
@@ -157,7 +158,7 @@ class ModelDrafter:
         self.feature_cache: torch.Tensor | None = None  # [num_blocks * block_size, F]
 
     @property
-    def measured_acceptance(self) -> tuple[float, ...] | None:
+    def measured_acceptance(self) -> MeasuredAcceptance | None:
         """A trained head's acceptance per position as measured in training; None for a
         draft LM or a head that came without it."""
         return getattr(self.net, "measured_acceptance", None)

@@ -28,6 +28,7 @@ from runner.drafter import DraftNet, ModelDrafter, make_draft_lm, make_head
 from runner.models.llama import LlamaForCausalLM
 from runner.request_states import RequestStates
 from spec_decode import SpecMethod, SpeculativeConfig
+from spec_decode.measured import MeasuredAcceptance
 from spec_decode.passes import StepResult, StepRows
 from spec_decode.proposer import TokenProposer
 
@@ -51,7 +52,7 @@ class Drafter(Protocol):
         ...
 
     @property
-    def measured_acceptance(self) -> tuple[float, ...] | None:
+    def measured_acceptance(self) -> MeasuredAcceptance | None:
         """Acceptance per draft position as measured for this drafter (a trained
         head's, runner/eagle3.py `measured_acceptance`), or None."""
         ...
@@ -91,7 +92,7 @@ class TokenDrafter:
 
     aux_layer_ids: tuple[int, ...] = ()
     buffer_bytes = 0
-    measured_acceptance: tuple[float, ...] | None = None  # learnt online from nothing
+    measured_acceptance: MeasuredAcceptance | None = None  # learnt online from nothing
 
     def __init__(self, proposer: TokenProposer, states: RequestStates) -> None:
         self.proposer, self.states = proposer, states

@@ -41,6 +41,7 @@ from runner.models.llama import (
     rope_inv_freq,
     vocab_projection,
 )
+from spec_decode.measured import MeasuredAcceptance
 from spec_decode.passes import MASK_ROW
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -134,7 +135,7 @@ class Eagle3Head(nn.Module):
         self.head_config = config
         # Acceptance per draft position as measured in training (`measured_acceptance`),
         # if the head came with it.
-        self.measured_acceptance: tuple[float, ...] | None = None
+        self.measured_acceptance: MeasuredAcceptance | None = None
         self._target = [target]  # a list: not registered, the target stays the owner
         self.fc = nn.Linear(len(config.aux_layer_ids) * c.hidden_size, c.hidden_size,
                             bias=False)
@@ -277,26 +278,33 @@ def load_eagle3(path: Path, target: LlamaForCausalLM) -> Eagle3Head:
     return head.eval()
 
 
-def measured_acceptance(path: Path) -> tuple[float, ...] | None:
+def measured_acceptance(path: Path) -> MeasuredAcceptance | None:
     """The acceptance of each draft position, given the ones before it were accepted,
     as measured when `specbudget train-drafter` wrote the head at `path`: served on
     held-out chat (`metrics.json`'s "served"; positions reached too rarely to say are
-    left out), else its held-out agreement (`config.json`'s "specbudget"), else None (a
-    head from elsewhere). The goodput policy starts from it instead of a generic prior."""
+    left out), with the verifications of one round of those prompts behind it, else
+    its held-out agreement (`config.json`'s "specbudget"; no verification behind it),
+    else None (a head from elsewhere). The goodput policy starts from it instead of a
+    generic prior."""
     try:
         served = json.loads((path / "metrics.json").read_text()).get("served") or {}
         reached = [float(a) for a in served.get("acceptance_per_position", [])]
+        # Every verification at K drafts; later rounds serve the same prompts again.
+        per_round = max(int(served.get("k", 1)), 1) * max(int(served.get("rounds", 1)), 1)
+        verifications = int(float(served.get("draft_tokens", 0)) / per_round)
     except (OSError, ValueError, AttributeError, TypeError):
-        reached = []
+        reached, verifications = [], 0
     if reached and reached[0] > 0:
         chain = [1.0, *reached]
         # Each position's share of those that reached it, while enough did (a rate
         # from a few dozen drafts says little).
         rates = [b / a for a, b in pairwise(chain) if a >= 0.05]
-        return tuple(min(max(r, 0.0), 1.0) for r in rates)
+        return MeasuredAcceptance(tuple(min(max(r, 0.0), 1.0) for r in rates),
+                                  max(verifications, 0))
     try:
         trained = json.loads((path / "config.json").read_text())["specbudget"]["trained"]
         agreement = [float(a) for a in trained["held_out_agreement_per_step"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return tuple(min(max(a, 0.0), 1.0) for a in agreement) or None
+    clipped = tuple(min(max(a, 0.0), 1.0) for a in agreement)
+    return MeasuredAcceptance(clipped) if clipped else None

@@ -35,6 +35,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import cdiv
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from spec_decode import SpeculativeConfig
+from spec_decode.measured import MeasuredAcceptance
 from spec_decode.passes import StepResult, StepRows
 
 Logprobs = tuple[list[int], list[float]]
@@ -162,7 +163,7 @@ class ModelRunner:
         if self.spec:
             self.spec.initialize_kv_cache(num_blocks)
 
-    def drafter_acceptance(self) -> tuple[float, ...] | None:
+    def drafter_acceptance(self) -> MeasuredAcceptance | None:
         """The drafter's acceptance per draft position as measured when it was trained
         (None: no drafter, or none measured); the engine hands it to the scheduler's
         goodput policy as its prior, as it hands over the KV size."""

@@ -17,6 +17,7 @@ from runner.drafters import DraftContext, Drafter, make_drafter
 from runner.models.llama import LlamaForCausalLM
 from runner.request_states import RequestStates
 from spec_decode import SpeculativeConfig
+from spec_decode.measured import MeasuredAcceptance
 from spec_decode.passes import StepResult, StepRows
 from spec_decode.rejection_sampler import RejectionSampler
 from spec_decode.sampling import SamplingMetadata
@@ -53,7 +54,7 @@ class SpecDecoder:
         return self.drafter.aux_layer_ids
 
     @property
-    def measured_acceptance(self) -> tuple[float, ...] | None:
+    def measured_acceptance(self) -> MeasuredAcceptance | None:
         """The drafter's acceptance per position as measured in training, if known."""
         return self.drafter.measured_acceptance
 

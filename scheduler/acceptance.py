@@ -202,7 +202,7 @@ class AcceptanceEstimates:
         # the batch has verified hundreds of drafts, a fresh request is most likely
         # like them, and exploring it costs verification rows (and maybe a drafter
         # pass) that a batch of 64 pays on every request it tries.
-        method_doubt = np.sqrt(s.prior_weight / (s.prior_weight + seen))
+        method_doubt = np.sqrt(s.prior_weight / (s.prior_weight + s.prior_evidence + seen))
         bonus = s.explore * method_doubt / (1.0 + verifications.sum(axis=1))
         return own * np.reshape(scale, (-1, 1)), bonus
 

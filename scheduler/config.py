@@ -75,6 +75,11 @@ class GoodputSettings:
     # assumed 0.5 drafted at 16 running where it lost (measured: README).
     prior_acceptance: float | tuple[float, ...] = 0.5
     prior_weight: float = 8.0  # pseudo-observations behind that prior
+    # Verifications the prior was measured on (a trained head's served figure; 0 for
+    # the generic 0.5), counted in the method's doubt that earns a fresh request its
+    # optimism (`explore`), not in the rates, which still yield to this workload's
+    # own verifications after `prior_weight` of them.
+    prior_evidence: float = 0.0
     request_weight: float = 4.0  # a request's own history counts after this many
     # Of the global counts, per verification recorded (not per step: at one request a
     # step verifies at most once, at 64 sixty-four times; the window is ~1,000 either way).
@@ -144,6 +149,9 @@ class GoodputSettings:
         if not values or not all(0.0 <= v <= 1.0 for v in values):
             raise ValueError(f"GoodputSettings.prior_acceptance must be one or more "
                              f"acceptance rates in [0, 1], got {self.prior_acceptance!r}")
+        if not self.prior_evidence >= 0.0:
+            raise ValueError(f"GoodputSettings.prior_evidence must be >= 0 "
+                             f"verifications, got {self.prior_evidence!r}")
 
     def _prior_values(self) -> tuple[float, ...]:
         prior = self.prior_acceptance

@@ -116,6 +116,26 @@ def test_a_low_measured_prior_keeps_a_fresh_batch_from_drafting() -> None:
     assert drafts[1] < drafts[0]
 
 
+def test_a_prior_measured_on_served_drafts_earns_a_fresh_request_less_optimism() -> None:
+    """The verifications a measured prior stands on count as the method's own history
+    in the optimism a fresh request gets (not in its rates): a head served on hundreds
+    of verifications starts nearly sure, the generic prior does not. A negative or NaN
+    count is refused by name."""
+    est = AcceptanceEstimates(K, GoodputSettings(prior_acceptance=0.36))
+    measured = AcceptanceEstimates(K, GoodputSettings(prior_acceptance=0.36,
+                                                      prior_evidence=312))
+    fresh = (history([0]), np.zeros(1), np.full(1, FRESH))
+    own, bonus = est.rates_and_optimism(*fresh)
+    own_measured, bonus_measured = measured.rates_and_optimism(*fresh)
+    np.testing.assert_allclose(own_measured, own)
+    assert bonus[0] == pytest.approx(GoodputSettings().explore)
+    assert bonus_measured[0] == pytest.approx(GoodputSettings().explore
+                                              * np.sqrt(8 / (8 + 312)))
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="prior_evidence"):
+            GoodputSettings(prior_evidence=bad)
+
+
 def test_outcomes_and_counts_per_state() -> None:
     assert [outcome(3, 3), outcome(3, 1), outcome(3, 0), outcome(1, 1)] == [
         ALL_ACCEPTED, SOME_ACCEPTED, NONE_ACCEPTED, ALL_ACCEPTED]

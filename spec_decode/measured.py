@@ -1,0 +1,15 @@
+"""What a drafter's acceptance was measured to be before it serves (torch-free: the
+runner reads it from a trained head's directory, the engine hands it to the scheduler)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class MeasuredAcceptance(NamedTuple):
+    """Acceptance of each draft position given the ones before it were accepted, and
+    how many verifications it was measured on (0 where it is an offline proxy, such as
+    a head's held-out agreement, not drafts served and verified)."""
+
+    rates: tuple[float, ...]
+    verifications: int = 0
