@@ -164,9 +164,10 @@ class ModelRunner:
             self.spec.initialize_kv_cache(num_blocks)
 
     def drafter_acceptance(self) -> MeasuredAcceptance | None:
-        """The drafter's acceptance per draft position as measured when it was trained
-        (None: no drafter, or none measured); the engine hands it to the scheduler's
-        goodput policy as its prior, as it hands over the KV size."""
+        """The drafter's acceptance per draft position as measured when it was trained,
+        and the verifications behind it (None: no drafter, or none measured); the
+        engine hands both to the scheduler's goodput policy as its prior, as it hands
+        over the KV size."""
         return self.spec.measured_acceptance if self.spec else None
 
     @property
