@@ -158,6 +158,10 @@ class EngineMetrics:
         self.step_seconds_abs_error = self._add(
             Gauge, "step_seconds_mean_abs_error",
             "Mean |predicted - measured| step time since start.").labels(m)
+        self.spec_request_weight = self._add(
+            Gauge, "spec_decode_request_weight",
+            "Verifications a request's own acceptance record needs before it counts, as "
+            "finished requests' spread says.").labels(m)
 
     def _make_histograms(self) -> None:
         m = self.model_name
@@ -256,6 +260,8 @@ class EngineMetrics:
             self.step_seconds_predicted.set(goodput.last_predicted_seconds)
         if goodput.last_measured_seconds is not None:
             self.step_seconds_measured.set(goodput.last_measured_seconds)
+        if goodput.request_weight is not None:
+            self.spec_request_weight.set(goodput.request_weight)
         error = goodput.as_dict()["mean_abs_error_seconds"]
         if isinstance(error, float):
             self.step_seconds_abs_error.set(error)

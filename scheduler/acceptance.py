@@ -19,6 +19,7 @@ import numpy as np
 
 from scheduler.config import GoodputSettings
 from scheduler.request import NUM_OUTCOMES
+from scheduler.request_spread import RequestSpread, prior_weight
 
 # Where an answer's spans start, in output tokens: acceptance changes along an answer
 # (a lookup drafter has more of the answer's own text to copy as it grows: ngram's
@@ -74,7 +75,8 @@ class AcceptanceEstimates:
     span's effects (state rate x span rate / pooled rate), so a cell seen rarely is
     rated by what its row and its column say."""
 
-    def __init__(self, max_k: int, settings: GoodputSettings) -> None:
+    def __init__(self, max_k: int, settings: GoodputSettings,
+                 drafter_kind: str | None = None) -> None:
         self.settings = settings
         self.prior = np.asarray(settings.prior_by_position(max_k))  # [K]
         # Decayed counts per state, span and draft position.
@@ -83,6 +85,11 @@ class AcceptanceEstimates:
         # `tables()` as last built, and the verifications recorded since.
         self._tables: _Tables | None = None
         self._since = 0
+        # How far finished requests' own first-draft acceptance spread: how much a
+        # running request's own record counts.
+        self.spread = RequestSpread(prior_weight(settings.request_weight, drafter_kind),
+                                    settings.spread_min_requests, settings.spread_decay,
+                                    settings.max_request_weight)
 
     def record(self, verified: list[int], accepted: list[int],
                states: list[int] | None = None, produced: list[int] | None = None) -> None:
@@ -110,6 +117,14 @@ class AcceptanceEstimates:
         self.reached += reaching_by_state(np.minimum(a + 1, v), group, width,
                                           cells).reshape(shape)
         self.accepted += reaching_by_state(a, group, width, cells).reshape(shape)
+
+    def record_finished(self, verifications: list[int], first_accepted: int) -> None:
+        """A request that finished (or was aborted): its verifications per state it was
+        in, and how many accepted their first draft, against what its states forecast."""
+        total = sum(verifications)
+        if total and self.reached.shape[2]:
+            forecast = float(np.dot(verifications, self.tables().by_state[:, 0]))
+            self.spread.record(total, first_accepted, forecast)
 
     def pooled_rates(self) -> np.ndarray:
         """[K] acceptance of a reached draft at each position, all states and spans
@@ -176,8 +191,8 @@ class AcceptanceEstimates:
         the span it is in (`produced`: its output tokens; 0 if None), scaled by its
         first-draft acceptances over what its states predicted (`verifications`
         [N, NUM_OUTCOMES]: its verifications per state it was in; every verification
-        reaches the first draft, so the ratio is fair), shrunk toward 1 by
-        `request_weight` pseudo-verifications.
+        reaches the first draft, so the ratio is fair), shrunk toward 1 by as many
+        pseudo-verifications as finished requests' spread is worth (`spread.weight`).
 
         A request's record and state fade, by half per `evidence_half_life` output
         tokens it made since its last verification (`unverified`; none if None), to
@@ -195,7 +210,7 @@ class AcceptanceEstimates:
             first_accepted = first_accepted * weight
             own = own * weight[:, None] + by_span[spans] * (1.0 - weight[:, None])
         first = float(pooled[0]) if len(pooled) else 0.0
-        pseudo = s.request_weight * first
+        pseudo = self.spread.weight * first
         expected = verifications @ by_state[:, 0] if len(pooled) else 0.0
         scale = (first_accepted + pseudo) / (expected + pseudo) if first > 0 else 1.0
         # Optimism shrinks with the request's own history and with the method's: once

@@ -80,7 +80,15 @@ class GoodputSettings:
     # optimism (`explore`), not in the rates, which still yield to this workload's
     # own verifications after `prior_weight` of them.
     prior_evidence: float = 0.0
-    request_weight: float = 4.0  # a request's own history counts after this many
+    # A request's own history counts after this many verifications, until
+    # `spread_min_requests` have finished; then the spread of finished requests' own
+    # acceptance sets it, within [1, max_request_weight]. None: the figure measured for
+    # the method's drafter kind (scheduler/request_spread.py: a head's requests spread
+    # about half as much as a lookup drafter's, so their own records count later).
+    request_weight: float | None = None
+    spread_min_requests: int = 16
+    spread_decay: float = 0.99  # per finished request: a window of ~100
+    max_request_weight: float = 64.0
     # Of the global counts, per verification recorded (not per step: at one request a
     # step verifies at most once, at 64 sixty-four times; the window is ~1,000 either way).
     decay: float = 0.999
@@ -152,6 +160,16 @@ class GoodputSettings:
         if not self.prior_evidence >= 0.0:
             raise ValueError(f"GoodputSettings.prior_evidence must be >= 0 "
                              f"verifications, got {self.prior_evidence!r}")
+        if self.request_weight is not None and not (
+                1.0 <= self.request_weight <= self.max_request_weight):
+            raise ValueError(f"GoodputSettings.request_weight must be in [1, max_request_weight="
+                             f"{self.max_request_weight!r}], got {self.request_weight!r}")
+        if self.spread_min_requests < 2:
+            raise ValueError(f"GoodputSettings.spread_min_requests must be >= 2 (a spread "
+                             f"needs two requests), got {self.spread_min_requests!r}")
+        if not 0.0 < self.spread_decay <= 1.0:
+            raise ValueError(f"GoodputSettings.spread_decay must be in (0, 1], "
+                             f"got {self.spread_decay!r}")
 
     def _prior_values(self) -> tuple[float, ...]:
         prior = self.prior_acceptance

@@ -59,9 +59,9 @@ class GoodputPolicy:
         self.max_k = rule.max_k
         self.budget = max_num_batched_tokens
         self.costs = DraftCosts.for_rule(rule)
-        self.acceptance = AcceptanceEstimates(rule.max_k, self.settings)
-        self.check = ForecastCheck(self.settings)
         kind = rule.method.drafter if rule.method is not None else None
+        self.acceptance = AcceptanceEstimates(rule.max_k, self.settings, kind)
+        self.check = ForecastCheck(self.settings)
         self.time_model = time_model or StepTimeModel(kind, self.settings)
         self.new_request_cap = rule.max_k  # for requests admitted this step
         # ... and without optimism, for those past the step's explorer slots.
@@ -324,6 +324,11 @@ class GoodputPolicy:
             return float(g[best - 1]), 0.0
         runner_up = float(rate[1:].max(initial=-np.inf))
         return np.inf, (1.0 - runner_up / rate[0] if runner_up > 0 else 0.0)
+
+    def observe_finished(self, verifications: list[int], first_accepted: int) -> None:
+        """A request left the batch: how its own acceptance strayed from its states'
+        rates teaches how much the next requests' own records count."""
+        self.acceptance.record_finished(verifications, first_accepted)
 
     def observe_step(self, verified: list[int], accepted: list[int], states: list[int],
                      rows: tuple[int, int, int, int], seconds: float | None,

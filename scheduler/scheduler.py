@@ -144,6 +144,10 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        if self.policy is not None:
+            self.policy.observe_finished(request.verifications_by_state,
+                                         request.num_first_accepted)
+            self.stats.goodput.request_weight = self.policy.acceptance.spread.weight
         request.spec_token_ids = []
         self.kv.free(request, finished=True)
         del self.requests[request.request_id]

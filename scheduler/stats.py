@@ -113,6 +113,10 @@ class GoodputStats:
     abs_error_seconds: float = 0.0
     last_predicted_seconds: float | None = None
     last_measured_seconds: float | None = None
+    # Verifications a request's own record needs to count as much as its states'
+    # rates, as finished requests' spread says (scheduler/request_spread.py); None
+    # before any finished.
+    request_weight: float | None = None
 
     def record_drafts(self, k: np.ndarray) -> None:
         """The k of every sampling request of one step."""
@@ -145,6 +149,7 @@ class GoodputStats:
             "mean_predicted_step_seconds": self.predicted_seconds / timed if timed else None,
             "mean_measured_step_seconds": self.measured_seconds / timed if timed else None,
             "mean_abs_error_seconds": self.abs_error_seconds / timed if timed else None,
+            "request_weight": self.request_weight,
         }
 
 
