@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -348,3 +349,32 @@ def test_goodput_cost_quick(tmp_path: Path) -> None:
     assert row["policy_us"] > 0
     assert row["fixed_plus_policy_ratio"] == pytest.approx(
         (row["fixed_median_us"] + row["policy_us"]) / row["fixed_median_us"], abs=1e-3)
+
+
+@pytest.mark.model
+def test_request_spread_quick(tmp_path: Path) -> None:
+    """Each method's requests served alone at K = 1: counts per request, and the weight
+    the scheduler's own estimator learns from them."""
+    from benchmarks import request_spread
+
+    report = request_spread.main(["--quick", "--methods", "ngram", "--out",
+                                  str(tmp_path / "s.json")])
+    ngram = report["methods"]["ngram"]
+    assert report["prompts"] == 4 and ngram["requests"] <= 4
+    assert 1.0 <= ngram["learnt_weight"] <= 64.0
+    assert json.loads((tmp_path / "s.json").read_text())["methods"]["ngram"] == ngram
+
+
+def test_request_spread_tells_alike_requests_from_spread_ones() -> None:
+    """Forty requests at one rate learn the largest weight; half never accepting and
+    half always, the smallest."""
+    import numpy as np
+
+    from benchmarks import request_spread
+
+    verified = np.full(40, 30)
+    rng = np.random.default_rng(0)
+    alike = request_spread.spread_figures(verified, rng.binomial(30, 0.4, 40))
+    apart = request_spread.spread_figures(verified, np.repeat([0, 30], 20))
+    assert alike["learnt_weight"] == 64.0 and apart["learnt_weight"] == 1.0
+    assert apart["dispersion"] > 10 * alike["dispersion"]
