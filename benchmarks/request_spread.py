@@ -11,7 +11,7 @@ rate, the dispersion of the requests' counts over a binomial's, the sd of a requ
 own rate, and the weight the policy would learn.
 
     python benchmarks/request_spread.py [--quick] [--methods ngram,suffix,eagle,...]
-        [--max-tokens 96] [--out PATH]
+        [--max-tokens 96] [--dtype auto] [--out PATH]
 """
 
 from __future__ import annotations

@@ -160,6 +160,9 @@ class GoodputSettings:
         if not self.prior_evidence >= 0.0:
             raise ValueError(f"GoodputSettings.prior_evidence must be >= 0 "
                              f"verifications, got {self.prior_evidence!r}")
+        if not self.max_request_weight >= 1.0:
+            raise ValueError(f"GoodputSettings.max_request_weight must be >= 1 verification, "
+                             f"got {self.max_request_weight!r}")
         if self.request_weight is not None and not (
                 1.0 <= self.request_weight <= self.max_request_weight):
             raise ValueError(f"GoodputSettings.request_weight must be in [1, max_request_weight="

@@ -39,13 +39,14 @@ class RequestSpread:
 
     def __init__(self, prior_weight: float, min_requests: int, decay: float,
                  max_weight: float, min_verifications: int = 4) -> None:
-        self.prior_weight = prior_weight  # until `min_requests` have finished
+        # Until `min_requests` have finished (a kind's measured figure may exceed a
+        # configured cap: the cap wins).
+        self.prior_weight = min(prior_weight, max_weight)
         self.min_requests = min_requests
         self.decay = decay  # per finished request
         self.max_weight = max_weight  # no measurable spread: own records barely count
         self.min_verifications = min_verifications  # fewer say nothing of a rate
         self.requests = 0
-        self.weighted = 0.0  # decayed count of requests
         self.miss = 0.0  # sum of (accepted - forecast)^2
         self.binomial = 0.0  # sum of the draws' own variance, forecast * (1 - p)
         self.scale = 0.0  # sum of forecast^2: the spread's share of the miss
@@ -60,7 +61,6 @@ class RequestSpread:
         d = self.decay
         rate = forecast / verifications
         self.requests += 1
-        self.weighted = self.weighted * d + 1.0
         self.miss = self.miss * d + (first_accepted - forecast) ** 2
         self.binomial = self.binomial * d + forecast * (1.0 - rate)
         self.scale = self.scale * d + forecast * forecast

@@ -100,7 +100,9 @@ def test_before_any_request_finishes_the_weight_is_the_drafter_kinds(
 @pytest.mark.parametrize(("field", "value"), [("request_weight", 0.5),
                                               ("request_weight", 100.0),
                                               ("spread_min_requests", 1),
-                                              ("spread_decay", 0.0)])
+                                              ("spread_decay", 0.0),
+                                              ("max_request_weight", 0.5),
+                                              ("max_request_weight", float("nan"))])
 def test_bad_spread_settings_are_refused_by_name(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"GoodputSettings.{field}"):
         GoodputSettings(**{field: value})  # type: ignore[arg-type]
@@ -123,3 +125,9 @@ def test_the_scheduler_teaches_the_spread_from_every_finished_request() -> None:
     assert spread.requests == 40
     assert spread.weight == sched.stats.goodput.request_weight == 64.0
     assert sched.stats.goodput.as_dict()["request_weight"] == 64.0
+
+
+def test_a_kinds_prior_weight_never_exceeds_a_configured_cap() -> None:
+    policy = GoodputPolicy(ThrottleRule(get_method("eagle"), 4, 4096), 2048,
+                           GoodputSettings(max_request_weight=8.0))
+    assert policy.acceptance.spread.weight == 8.0
