@@ -1,15 +1,18 @@
 """Paged attention in plain torch: the CPU runtime path and the Triton kernel's reference.
 
 Short queries (decodes, verification rows, short chunks: at most `BATCHED_MAX_QUERY`
-rows per request) run together as one padded pair of batched matmuls; longer prefill
-chunks run one scaled-dot-product call per request, where padding every request to the
-longest chunk would cost more than the loop.
+rows per request) run together as one padded pair of batched matmuls; a longer prefill
+chunk runs the same computation as a call of its own, where padding every request to
+the longest chunk would cost more than the calls.
 
-The padded path is shaped so that a query row's output does not depend on what else
-shares the pass (speculative decoding's greedy output must equal plain decoding's, and
-a verification pass holds more rows than a decode). Measured with this machine's BLAS
-(`tests/runner/test_attention.py` checks it on every run), a row's result is bitwise the same
-whatever the number of query rows, requests and key padding, provided that:
+Both are shaped so that a query row's output does not depend on what else shares the
+pass, nor on how its prompt was cut into chunks (speculative decoding's greedy output
+must equal plain decoding's; a verification pass holds more rows than a decode; and the
+budget the drafts take moves where a prompt's chunks end, so a position computed in a
+long chunk with speculation off may be computed in a short one with it on). Measured with
+this machine's BLAS (`tests/runner/test_attention.py` checks it on every run), a row's
+result is bitwise the same whatever the number of query rows, requests and key padding,
+provided that:
 
 - every matmul has at least `MIN_GEMM_ROWS` rows (fewer take a matrix-vector kernel
   that sums in another order): a lone decode row is padded to two queries, six rows
@@ -22,6 +25,11 @@ whatever the number of query rows, requests and key padding, provided that:
 - there are at least `MIN_PROBLEMS` matmuls in the batch (a lone one is split across
   threads, in another order);
 - scores, softmax and the weighted sum run in float32 whatever the model's dtype.
+
+A long chunk once ran torch's fused scaled-dot-product attention instead, which sums in
+an order of its own: in bfloat16 a prompt's last rows then differed (by up to 0.2 in a
+logit) between a prompt prefilled whole and one whose last chunk was short, and greedy
+outputs with speculation on parted from speculation off's.
 """
 
 from __future__ import annotations
@@ -29,7 +37,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from runner.attention.backend import AttentionBackend, write_kv
 from runner.attention.metadata import AttentionMetadata
@@ -39,11 +46,6 @@ BATCHED_MAX_QUERY = 32
 MIN_GEMM_ROWS = 4
 KEY_CHUNK = 128
 MIN_PROBLEMS = 2
-
-
-def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """One request's first `seq_len` K or V rows: [seq_len, num_kv_heads, head_dim]."""
-    return cache[block_ids].flatten(0, 1)[:seq_len]
 
 
 @dataclass(frozen=True)
@@ -71,11 +73,10 @@ class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
     def __init__(self) -> None:
-        # The plan for the last metadata seen: every layer of a step shares it. Runners
-        # build a fresh AttentionMetadata per pass and never change one, so identity
-        # is the right key (the held reference keeps its id from being reused).
-        self._plan: tuple[AttentionMetadata, tuple[int, ...], BatchedPlan | None,
-                          list[int]] | None = None
+        # The plans for the last metadata seen: every layer of a step shares them.
+        # Runners build a fresh AttentionMetadata per pass and never change one, so
+        # identity is the right key (the held reference keeps its id from being reused).
+        self._plans: tuple[AttentionMetadata, tuple[int, ...], list[BatchedPlan]] | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -85,63 +86,33 @@ class TorchPagedAttention(AttentionBackend):
                  meta.slot_mapping[:num_tokens])
         out = torch.empty_like(query[:num_tokens])
         shape = (key_cache.shape[1], query.shape[1], key_cache.shape[2])
-        plan, alone = self._split(meta, shape)
-        if plan is not None:
+        for plan in self._split(meta, shape):
             out = _attend_batched(query, key_cache, value_cache, plan, scale, out)
-        for i in alone:
-            _attend_one(query, key_cache, value_cache, meta, scale, i, out)
         return out
 
     def _split(self, meta: AttentionMetadata, shape: tuple[int, int, int]
-               ) -> tuple[BatchedPlan | None, list[int]]:
-        """The padded call's plan and the requests that run one call each."""
-        if self._plan is None or self._plan[0] is not meta or self._plan[1] != shape:
-            plan = plan_batched(meta, *shape)
-            alone = [i for i in range(meta.num_reqs) if plan is None or i not in plan.reqs]
-            self._plan = (meta, shape, plan, alone)
-        return self._plan[2], self._plan[3]
+               ) -> list[BatchedPlan]:
+        """One plan for the short queries, one for each long chunk."""
+        if self._plans is None or self._plans[0] is not meta or self._plans[1] != shape:
+            starts = meta.query_start_loc_cpu
+            short = [i for i in range(meta.num_reqs)
+                     if starts[i + 1] - starts[i] <= BATCHED_MAX_QUERY]
+            long = [[i] for i in range(meta.num_reqs)
+                    if starts[i + 1] - starts[i] > BATCHED_MAX_QUERY]
+            self._plans = (meta, shape, [plan_batched(meta, reqs, *shape)
+                                         for reqs in ([short] if short else []) + long])
+        return self._plans[2]
 
 
-def _attend_one(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, i: int, out: torch.Tensor) -> None:
-    """Request i alone over its gathered cache blocks."""
-    q_start, q_end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
-    seq_len = meta.seq_lens_cpu[i]
-    block_size = key_cache.shape[1]
-    blocks = meta.block_table[i, :cdiv(seq_len, block_size)].long()
-    k = gather_kv(key_cache, blocks, seq_len)
-    v = gather_kv(value_cache, blocks, seq_len)
-    q = query[q_start:q_end]
-    # Query j sits at position seq_len - num_q + j: it sees keys 0..that position.
-    num_q = q_end - q_start
-    q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)
-    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-    # In float32, as the batched path: a prompt computed whole here and the same
-    # prompt's tail computed after a prefix-cache hit (a short chunk, batched) then
-    # differ by float32 rounding only, never by bfloat16's (which flipped near-tied
-    # greedy tokens on a bf16 CPU).
-    dtype = q.dtype
-    if dtype != torch.float32:
-        q, k, v = q.float(), k.float(), v.float()
-    attn = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-        scale=scale, enable_gqa=True)
-    out[q_start:q_end] = attn.transpose(0, 1).to(dtype)
-
-
-def plan_batched(meta: AttentionMetadata, block_size: int, num_heads: int,
-                 num_kv_heads: int) -> BatchedPlan | None:
-    """The padded call for this step's short queries, or None when there are none.
+def plan_batched(meta: AttentionMetadata, reqs: list[int], block_size: int,
+                 num_heads: int, num_kv_heads: int) -> BatchedPlan:
+    """The padded call for these requests (scheduled-request indices, at least one).
 
     Padding query rows repeat the request's last row (their output is dropped), and
     padding key slots point at the request's position 0 (always masked), so nothing
     outside the request's own cache is ever read, not even stale NaNs.
     """
     starts_cpu = meta.query_start_loc_cpu
-    reqs = [i for i in range(meta.num_reqs)
-            if starts_cpu[i + 1] - starts_cpu[i] <= BATCHED_MAX_QUERY]
-    if not reqs:
-        return None
     group = num_heads // num_kv_heads
     device = meta.query_start_loc.device
     # Too few matmuls: repeat the first request (its copies' rows are dropped).

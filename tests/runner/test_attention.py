@@ -200,9 +200,11 @@ class RowProbe:
 
 
 def _mismatches(probe: RowProbe, trials: int, seed: int = 0) -> int:
-    """Random trials: a decode row alone, then the same row inside a verification-shaped
-    chunk of its request (1-8 rows around it) beside 0-6 other requests (decodes,
-    verifications, short chunks) at other lengths. How many trials differ bitwise."""
+    """Random trials: a decode row alone, then the same row inside a chunk of its
+    request beside 0-6 other requests (decodes, verifications, short chunks) at other
+    lengths. The chunk is verification-shaped (1-8 rows around it) or, one trial in
+    three, a prefill chunk of up to 200 rows (over `BATCHED_MAX_QUERY`: a call of its
+    own), as when the budget cuts a prompt elsewhere. How many trials differ bitwise."""
     rng = torch.Generator().manual_seed(seed)
 
     def draw(high: int, low: int = 0) -> int:
@@ -212,7 +214,7 @@ def _mismatches(probe: RowProbe, trials: int, seed: int = 0) -> int:
     for _ in range(trials):
         req, pos = draw(12), draw(1900)
         alone = probe.rows([(req, pos, 1)])[(req, pos)]
-        first = max(0, pos - draw(8))
+        first = max(0, pos - draw(200 if draw(3) == 0 else 8))
         others = [(r, draw(1500), (1, 1, 5, 17)[draw(4)])
                   for r in torch.randperm(12, generator=rng)[:draw(7)].tolist() if r != req]
         cut = draw(len(others) + 1)

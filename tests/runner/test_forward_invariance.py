@@ -6,7 +6,9 @@ requests, over KV that such passes wrote. So on the real model: decode a few tok
 pass each, then feed the same tokens as one verification pass beside another request
 (a prefill and a decode), with other cache blocks, and the logits must be bitwise equal.
 Broken on purpose (one ulp of attention output that depends on the rows in the pass),
-the same check fails.
+the same check fails. And a prompt's last row is the same whatever chunks the prompt
+was cut into: speculation's drafts take budget, so its prompts' chunks end elsewhere
+than speculation off's.
 """
 
 from __future__ import annotations
@@ -137,6 +139,31 @@ def test_verification_rows_equal_one_row_decodes(
         assert torch.equal(row[0], verified[i]), (
             f"{model.lm_head.weight.dtype}: row {i} differs by "
             f"{(row[0] - verified[i]).abs().max().item():.3g}")
+
+
+def _last_row(model: LlamaForCausalLM, attn: AttentionBackend, prompt: list[int],
+              chunks: list[int]) -> torch.Tensor:
+    passes = Passes(model, attn)
+    table, first, logits = passes.blocks(16), 0, torch.empty(0)
+    for size in chunks:
+        logits = passes.run([(table, prompt[first:first + size], first)])[0]
+        first += size
+    assert first == len(prompt)
+    return logits[-1]
+
+
+def test_a_prompts_last_row_is_the_same_however_it_was_chunked(
+        model: LlamaForCausalLM, prompts: tuple[list[int], list[int]]) -> None:
+    # 215 tokens: long chunks (over BATCHED_MAX_QUERY rows) and short tails, past the
+    # 193 keys where this machine's BLAS splits a sum.
+    prompt = (prompts[0] + prompts[1]) * 5
+    size = len(prompt)
+    whole = _last_row(model, get_attention_backend("torch"), prompt, [size])
+    for chunks in ([40, size - 40], [size - 20, 20], [size - 1, 1], [128, 33, size - 161]):
+        row = _last_row(model, get_attention_backend("torch"), prompt, chunks)
+        assert torch.equal(whole, row), (
+            f"{model.lm_head.weight.dtype}, chunks {chunks}: the last row differs by "
+            f"{(whole.float() - row.float()).abs().max().item():.3g}")
 
 
 def test_the_check_fails_when_rows_depend_on_the_pass(
