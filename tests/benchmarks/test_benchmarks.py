@@ -62,14 +62,17 @@ def test_spec_decode_quick(tmp_path: Path) -> None:
     from benchmarks import spec_decode
 
     report = spec_decode.main(["--quick", "--methods", "ngram,draft_model",
-                               "--workloads", "grounded",
+                               "--workloads", "grounded", "--goodput-k", "2,4",
                                "--out", str(tmp_path / "s.json")])
     rows = report["results"]
     assert {r["method"] for r in rows} == {"off", "ngram", "draft_model"}
     assert all(r["lossless"] for r in rows)  # every policy's output is speculation off's
     assert {r["draft_policy"] for r in rows if r["method"] != "off"} == {"goodput", "fixed"}
-    summary = {(s["method"], s["concurrency"]): s for s in report["policy_summary"]}
-    assert set(summary) == {(m, c) for m in ("ngram", "draft_model") for c in (1, 4)}
+    summary = {(s["method"], s["concurrency"], s["goodput_k"]): s
+               for s in report["policy_summary"]}
+    assert len(summary) == len(report["policy_summary"])  # one entry per goodput K
+    assert set(summary) == {(m, c, k) for m in ("ngram", "draft_model") for c in (1, 4)
+                            for k in (2, 4)}
     for entry in summary.values():
         assert entry["best_fixed_k"] == 4 and entry["goodput_vs_best_fixed"] > 0
     for row in rows:
@@ -336,6 +339,28 @@ def test_decision_digest_sees_a_changed_decision(tmp_path: Path,
     args = ["--cases", "4", "--out", str(tmp_path / "d.json")]
     before = decision_digest.main(args)["digest"]
     monkeypatch.setattr(Scheduler, "_max_chunk", lambda self, pending: min(pending, 8))
+    assert decision_digest.main(args)["digest"] != before
+
+
+def test_decision_digest_sees_goodput(tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Goodput's cases are in the digest (leaving them out changes it), and a goodput
+    policy that decides otherwise (one k fewer for every drafting request, still
+    valid) gives another digest: a goodput refactor is checked like any other."""
+    import numpy as np
+
+    from benchmarks import decision_digest
+    from scheduler.goodput import GoodputPolicy
+
+    args = ["--cases", "12", "--out", str(tmp_path / "d.json")]
+    before = decision_digest.main(args)["digest"]
+    assert decision_digest.main([*args, "--no-goodput"])["digest"] != before
+    caps = GoodputPolicy.caps
+
+    def one_fewer(self: GoodputPolicy, *a: object, **kw: object) -> np.ndarray:
+        return np.maximum(caps(self, *a, **kw) - 1, 0)
+
+    monkeypatch.setattr(GoodputPolicy, "caps", one_fewer)
     assert decision_digest.main(args)["digest"] != before
 
 
