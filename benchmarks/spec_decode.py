@@ -228,14 +228,17 @@ def summarize(rows: list[dict]) -> list[dict]:
                                     r["head"]) == (workload, conc, method, head)]
         fixed = {r["num_speculative_tokens"]: r["speedup_vs_off"] for r in same
                  if r["draft_policy"] == "fixed"}
-        goodput = next((r["speedup_vs_off"] for r in same
-                        if r["draft_policy"] == "goodput"), None)
         best_k = max(fixed, key=lambda k: fixed[k]) if fixed else None
-        out.append({"workload": workload, "concurrency": conc, "method": method,
-                    "head": head, "goodput_vs_off": goodput, "fixed_vs_off": fixed,
-                    "best_fixed_k": best_k,
-                    "goodput_vs_best_fixed": (round(goodput / fixed[best_k], 3)
-                                              if goodput and best_k is not None else None)})
+        # One entry per K goodput ran with (`--goodput-k`): goodput picks k <= K.
+        for r in [r for r in same if r["draft_policy"] == "goodput"] or [None]:
+            goodput = r["speedup_vs_off"] if r else None
+            out.append({"workload": workload, "concurrency": conc, "method": method,
+                        "head": head, "goodput_k": r["num_speculative_tokens"] if r else None,
+                        "goodput_vs_off": goodput, "fixed_vs_off": fixed,
+                        "best_fixed_k": best_k,
+                        "goodput_vs_best_fixed": (round(goodput / fixed[best_k], 3)
+                                                  if goodput and best_k is not None
+                                                  else None)})
     return out
 
 
@@ -315,6 +318,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="draft policies to run; fixed runs once per K in --k-grid")
     parser.add_argument("--k-grid", default=None,
                         help="K values for the fixed policy (default: -k only)")
+    parser.add_argument("--goodput-k", default=None,
+                        help="K values goodput runs with, each its own row: goodput "
+                             "picks each request's k from 0 to K (default: -k only)")
     parser.add_argument("--concurrency", default=None,
                         help="comma-separated (default 1,16; --quick: 1,4)")
     parser.add_argument("--dtype", default="float32",
@@ -341,7 +347,10 @@ def main(argv: list[str] | None = None) -> dict:
                      else (1, 4) if args.quick else (1, 16))
     policies = [p for p in args.policies.split(",") if p]
     k_grid = [int(k) for k in args.k_grid.split(",")] if args.k_grid else [args.k]
-    runs = [(p, k) for p in policies for k in (k_grid if p == "fixed" else [args.k])]
+    goodput_ks = ([int(k) for k in args.goodput_k.split(",")] if args.goodput_k
+                  else [args.k])
+    runs = [(p, k) for p in policies
+            for k in (k_grid if p == "fixed" else goodput_ks if p == "goodput" else [args.k])]
     max_tokens = 8 if args.quick else 64
     min_requests = args.min_requests or (1 if args.quick else 8)
     torch.manual_seed(0)
