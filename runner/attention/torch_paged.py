@@ -2,8 +2,10 @@
 
 Short queries (decodes, verification rows, short chunks: at most `BATCHED_MAX_QUERY`
 rows per request) run together as one padded pair of batched matmuls; a longer prefill
-chunk runs the same computation as a call of its own, where padding every request to
-the longest chunk would cost more than the calls.
+chunk runs the same computation in calls of its own, its rows cut into tiles of
+`LONG_TILE` and the tiles grouped so a call's scores stay under `MAX_CALL_SCORES`
+(a long prompt's memory is bounded, and its early tiles skip the keys they cannot
+see), where padding every request to the longest chunk would cost more than the calls.
 
 Both are shaped so that a query row's output does not depend on what else shares the
 pass, nor on how its prompt was cut into chunks (speculative decoding's greedy output
@@ -34,6 +36,7 @@ outputs with speculation on parted from speculation off's.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +49,12 @@ BATCHED_MAX_QUERY = 32
 MIN_GEMM_ROWS = 4
 KEY_CHUNK = 128
 MIN_PROBLEMS = 2
+LONG_TILE = 64
+MAX_CALL_SCORES = 1 << 23  # float32 scores of one long-chunk call: 32 MiB
+
+# Rows of one request that a call serves as one padded "request": (request index, its
+# first query row, rows, keys it sees through its last row).
+Slice = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -60,7 +69,12 @@ class BatchedPlan:
     shape: tuple[int, int, int, int]  # (R, Hkv, Q, G)
     q_index: torch.Tensor  # [R*Hkv*Q*G] row of query.view(-1, D) (padding repeats a real row)
     kv_index: torch.Tensor  # [R*Hkv*L] row of cache.view(-1, D) (position 0 past the end)
-    mask: torch.Tensor  # [R*Hkv, Q*G, L] float32: 0 where the query sees the key, else -inf
+    hidden: torch.Tensor  # [R, Q, L] bool: the keys each padded query row may not see
+    # [R*Hkv, Q*G, L] float32, 0 where the query sees the key, else -inf: expanded once
+    # per step for the short queries (every layer adds it inside its score matmul);
+    # None for a long chunk's call, whose mask is expanded per call from `hidden`
+    # rather than held for the whole step at nine times its size.
+    mask: torch.Tensor | None
     out_index: torch.Tensor  # row of out.view(-1, D) of each real padded query row
     real: torch.Tensor  # [R*Hkv*Q*G] bool: which padded query rows are real
     # When every request is in the plan: the padded row of each out row, in order.
@@ -68,7 +82,7 @@ class BatchedPlan:
 
 
 class TorchPagedAttention(AttentionBackend):
-    """Short queries batched into one call; long chunks one call per request."""
+    """Short queries batched into one call; a long chunk's tiles in calls of their own."""
 
     name = "torch"
 
@@ -92,39 +106,66 @@ class TorchPagedAttention(AttentionBackend):
 
     def _split(self, meta: AttentionMetadata, shape: tuple[int, int, int]
                ) -> list[BatchedPlan]:
-        """One plan for the short queries, one for each long chunk."""
+        """One plan for the short queries, then a long chunk's tiles in groups."""
         if self._plans is None or self._plans[0] is not meta or self._plans[1] != shape:
-            starts = meta.query_start_loc_cpu
-            short = [i for i in range(meta.num_reqs)
-                     if starts[i + 1] - starts[i] <= BATCHED_MAX_QUERY]
-            long = [[i] for i in range(meta.num_reqs)
-                    if starts[i + 1] - starts[i] > BATCHED_MAX_QUERY]
-            self._plans = (meta, shape, [plan_batched(meta, reqs, *shape)
-                                         for reqs in ([short] if short else []) + long])
+            short, long = _slices(meta)
+            plans = [plan_batched(meta, short, *shape)] if short else []
+            plans += [plan_batched(meta, tiles, *shape, hold_mask=False)
+                      for tiles in _group_tiles(long, heads=shape[1])]
+            self._plans = (meta, shape, plans)
         return self._plans[2]
 
 
-def plan_batched(meta: AttentionMetadata, reqs: list[int], block_size: int,
-                 num_heads: int, num_kv_heads: int) -> BatchedPlan:
-    """The padded call for these requests (scheduled-request indices, at least one).
+def _slices(meta: AttentionMetadata) -> tuple[list[Slice], list[list[Slice]]]:
+    """The short requests whole, and each long chunk cut into tiles of `LONG_TILE`
+    rows (a tile sees the keys through its own last row)."""
+    starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    short, long = [], []
+    for i in range(meta.num_reqs):
+        first, rows = starts[i], starts[i + 1] - starts[i]
+        if rows <= BATCHED_MAX_QUERY:
+            short.append((i, first, rows, seq_lens[i]))
+            continue
+        long.append([(i, first + t, min(LONG_TILE, rows - t),
+                      seq_lens[i] - rows + t + min(LONG_TILE, rows - t))
+                     for t in range(0, rows, LONG_TILE)])
+    return short, long
 
-    Padding query rows repeat the request's last row (their output is dropped), and
+
+def _group_tiles(long: list[list[Slice]], heads: int) -> list[list[Slice]]:
+    """Consecutive tiles of one chunk per call while the call's padded scores
+    (tiles x LONG_TILE rows x query heads x its last tile's keys, padded) stay under
+    MAX_CALL_SCORES; at least one tile per call."""
+    calls: list[list[Slice]] = []
+    for tiles in long:
+        current: list[Slice] = []
+        for tile in tiles:
+            keys = cdiv(tile[3], KEY_CHUNK) * KEY_CHUNK
+            if current and (len(current) + 1) * LONG_TILE * heads * keys > MAX_CALL_SCORES:
+                calls.append(current)
+                current = []
+            current.append(tile)
+        calls.append(current)
+    return calls
+
+
+def plan_batched(meta: AttentionMetadata, slices: list[Slice], block_size: int,
+                 num_heads: int, num_kv_heads: int, hold_mask: bool = True) -> BatchedPlan:
+    """The padded call for these slices of requests' rows (at least one).
+
+    Padding query rows repeat the slice's last row (their output is dropped), and
     padding key slots point at the request's position 0 (always masked), so nothing
     outside the request's own cache is ever read, not even stale NaNs.
     """
-    starts_cpu = meta.query_start_loc_cpu
     group = num_heads // num_kv_heads
     device = meta.query_start_loc.device
-    # Too few matmuls: repeat the first request (its copies' rows are dropped).
-    copies = max(0, cdiv(MIN_PROBLEMS, num_kv_heads) - len(reqs))
-    index = torch.tensor(reqs + [reqs[0]] * copies, dtype=torch.long, device=device)
-    starts = meta.query_start_loc[index].long()
-    num_q = meta.query_start_loc[index + 1].long() - starts
-    seq_lens = meta.seq_lens[index].long()
-    max_q = max(max(starts_cpu[i + 1] - starts_cpu[i] for i in reqs),
-                cdiv(MIN_GEMM_ROWS, group))
-    max_len = max(meta.seq_lens_cpu[i] for i in reqs)
-    max_len = cdiv(max_len, KEY_CHUNK) * KEY_CHUNK
+    # Too few matmuls: repeat the first slice (its copies' rows are dropped).
+    copies = max(0, cdiv(MIN_PROBLEMS, num_kv_heads) - len(slices))
+    padded = slices + [slices[0]] * copies
+    index, starts, num_q, seq_lens = (torch.tensor(column, dtype=torch.long, device=device)
+                                      for column in zip(*padded, strict=True))
+    max_q = max(max(n for _, _, n, _ in slices), cdiv(MIN_GEMM_ROWS, group))
+    max_len = cdiv(max(seen for *_, seen in slices), KEY_CHUNK) * KEY_CHUNK
     j = torch.arange(max_q, device=device)
     last = torch.minimum(j[None, :], num_q[:, None] - 1)  # [R, Q]
     rows = starts[:, None] + last
@@ -132,28 +173,33 @@ def plan_batched(meta: AttentionMetadata, reqs: list[int], block_size: int,
     t_in = torch.where(t[None, :] < seq_lens[:, None], t[None, :], 0)  # [R, L]
     blocks = meta.block_table[index[:, None], t_in // block_size].long()
     q_pos = seq_lens[:, None] - num_q[:, None] + last  # [R, Q]
-    seen = t[None, None, :] <= q_pos[:, :, None]  # [R, Q, L]
-    mask = torch.zeros(seen.shape, dtype=torch.float32, device=device)
-    mask.masked_fill_(~seen, float("-inf"))
+    hidden = t[None, None, :] > q_pos[:, :, None]  # [R, Q, L]
     slots = blocks * block_size + t_in % block_size  # [R, L]
     kv_heads = torch.arange(num_kv_heads, device=device)
     heads = kv_heads[:, None] * group + torch.arange(group, device=device)[None, :]  # [Hkv, G]
-    shape = (len(index), num_kv_heads, max_q, group)
+    shape = (len(padded), num_kv_heads, max_q, group)
     q_index = (rows[:, None, :, None] * num_heads + heads[None, :, None, :]).expand(shape)
-    real_q = (j[None, :] < num_q[:, None]) & (torch.arange(len(index), device=device)
-                                              < len(reqs))[:, None]
+    real_q = (j[None, :] < num_q[:, None]) & (torch.arange(len(padded), device=device)
+                                              < len(slices))[:, None]
     real = real_q[:, None, :, None].expand(shape).reshape(-1)
     out_index = q_index.reshape(-1)[real]
     gather_out = None
-    if len(reqs) == meta.num_reqs:
+    if sum(n for _, _, n, _ in slices) == meta.num_actual_tokens:
         gather_out = torch.empty_like(out_index)
         gather_out[out_index] = torch.nonzero(real).flatten()
-    # Expanded once per step, so each layer adds it inside its score matmul (baddbmm).
-    problem_mask = mask[:, None, :, None, :].expand(*shape, max_len).reshape(
-        len(index) * num_kv_heads, max_q * group, max_len)
-    return BatchedPlan(set(reqs), shape, q_index.reshape(-1),
+    plan = BatchedPlan({req for req, *_ in slices}, shape, q_index.reshape(-1),
                        (slots[:, None, :] * num_kv_heads + kv_heads[None, :, None]).reshape(-1),
-                       problem_mask, out_index, real, gather_out)
+                       hidden, None, out_index, real, gather_out)
+    return dataclasses.replace(plan, mask=expand_mask(plan)) if hold_mask else plan
+
+
+def expand_mask(plan: BatchedPlan) -> torch.Tensor:
+    """[R*Hkv, Q*G, L] float32 from the plan's [R, Q, L] hidden keys."""
+    num_reqs, num_kv_heads, max_q, group = plan.shape
+    mask = torch.zeros(plan.hidden.shape, dtype=torch.float32, device=plan.hidden.device)
+    mask.masked_fill_(plan.hidden, float("-inf"))
+    return mask[:, None, :, None, :].expand(*plan.shape, mask.shape[-1]).reshape(
+        num_reqs * num_kv_heads, max_q * group, mask.shape[-1])
 
 
 def _attend_batched(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -170,7 +216,8 @@ def _attend_batched(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         q, k, v = q.float(), k.float(), v.float()
     k = k.view(problems, -1, head_dim)
     num_keys = k.shape[1]
-    scores = torch.baddbmm(plan.mask, q.view(problems, max_q * group, head_dim),
+    mask = plan.mask if plan.mask is not None else expand_mask(plan)
+    scores = torch.baddbmm(mask, q.view(problems, max_q * group, head_dim),
                            k.transpose(1, 2), alpha=scale)
     probs = torch.softmax(scores, dim=-1)
     chunks = num_keys // KEY_CHUNK

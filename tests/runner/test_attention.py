@@ -21,9 +21,10 @@ from runner.attention.torch_paged import TorchPagedAttention
 # A decode, a fresh prefill, a chunk continuing after a 9-token cached prefix
 # (first query at position 9, mid-block for block_size 4 and 16), another decode.
 MIXED = [(13, 1), (0, 7), (9, 6), (20, 1)]
-# Long chunks (over BATCHED_MAX_QUERY rows: one call each) beside short queries (one
-# padded call for all), including a query of exactly the batched limit.
-LONG = [(0, 40), (13, 1), (30, 20), (5, 32), (0, 33), (3, 3)]
+# Long chunks (over BATCHED_MAX_QUERY rows: calls of their own, cut into tiles of
+# LONG_TILE rows past 64) beside short queries (one padded call for all), including a
+# query of exactly the batched limit.
+LONG = [(0, 40), (13, 1), (30, 20), (5, 32), (0, 33), (3, 3), (0, 150), (70, 129)]
 
 
 @dataclass
@@ -162,6 +163,30 @@ def test_torch_path_matches_dense_reference(reqs: list[tuple[int, int]], block_s
     torch.testing.assert_close(out.double(), dense_reference(batch, scale),
                                atol=1e-5, rtol=1e-5)
     check_cache_writes(batch, key_cache, value_cache)
+
+
+def test_a_long_chunk_runs_in_bounded_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the scores of a call capped low, a long chunk runs in several calls of
+    whole tiles, each under the cap and none holding an expanded mask for the step,
+    every row served once; the output still matches the dense reference."""
+    # Two tiles of 64 rows x 9 heads x 512 keys: the 300-row chunk's five tiles (keys
+    # padded to 384, 384, 512, 512, 512) run as 2 + 2 + 1, the 90-row chunk's two as one.
+    monkeypatch.setattr(torch_paged, "MAX_CALL_SCORES", 2 * 64 * 9 * 512)
+    batch = make_batch([(200, 300), (7, 1), (0, 90)], 9, 3, head_dim=32, block_size=16)
+    backend = TorchPagedAttention()
+    plans = backend._split(batch.meta, (16, 9, 3))
+    long = [plan for plan in plans if plan.mask is None]
+    assert len(long) == 4 and plans[0].mask is not None  # the short call holds its mask
+    for plan in long:
+        num_reqs, num_kv_heads, max_q, group = plan.shape
+        assert num_reqs * num_kv_heads * max_q * group * plan.hidden.shape[-1] <= (
+            torch_paged.MAX_CALL_SCORES)
+    served = torch.cat([plan.out_index for plan in plans])
+    assert sorted(served.tolist()) == list(range(batch.query.numel() // 32))
+    scale = 1 / math.sqrt(32)
+    out, _, _ = run("torch", batch, scale)
+    torch.testing.assert_close(out.double(), dense_reference(batch, scale),
+                               atol=1e-5, rtol=1e-5)
 
 
 # (a2) a row's output does not depend on what shares the pass -------------------------
