@@ -37,6 +37,7 @@ outputs with speculation on parted from speculation off's.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,11 @@ KEY_CHUNK = 128
 MIN_PROBLEMS = 2
 LONG_TILE = 64
 MAX_CALL_SCORES = 1 << 23  # float32 scores of one long-chunk call: 32 MiB
+# Long calls' expanded masks held for the whole step, up to this many bytes in all;
+# past it a call expands its own each layer, one more pass over its scores. Held, a
+# 256-row chunk's attention costs 0.98-1.13x what fused SDPA did over 256-2,048 keys
+# (a diagnostic timing, interleaved medians of 21 calls each).
+MAX_HELD_MASK_BYTES = 1 << 26
 
 # Rows of one request that a call serves as one padded "request": (request index, its
 # first query row, rows, keys it sees through its last row).
@@ -71,9 +77,8 @@ class BatchedPlan:
     kv_index: torch.Tensor  # [R*Hkv*L] row of cache.view(-1, D) (position 0 past the end)
     hidden: torch.Tensor  # [R, Q, L] bool: the keys each padded query row may not see
     # [R*Hkv, Q*G, L] float32, 0 where the query sees the key, else -inf: expanded once
-    # per step for the short queries (every layer adds it inside its score matmul);
-    # None for a long chunk's call, whose mask is expanded per call from `hidden`
-    # rather than held for the whole step at nine times its size.
+    # per step (every layer adds it inside its score matmul); None for a long chunk's
+    # call past MAX_HELD_MASK_BYTES, whose mask is expanded per call from `hidden`.
     mask: torch.Tensor | None
     out_index: torch.Tensor  # row of out.view(-1, D) of each real padded query row
     real: torch.Tensor  # [R*Hkv*Q*G] bool: which padded query rows are real
@@ -110,8 +115,13 @@ class TorchPagedAttention(AttentionBackend):
         if self._plans is None or self._plans[0] is not meta or self._plans[1] != shape:
             short, long = _slices(meta)
             plans = [plan_batched(meta, short, *shape)] if short else []
-            plans += [plan_batched(meta, tiles, *shape, hold_mask=False)
-                      for tiles in _group_tiles(long, heads=shape[1])]
+            room = MAX_HELD_MASK_BYTES
+            for tiles in _group_tiles(long, heads=shape[1]):
+                plan = plan_batched(meta, tiles, *shape, hold_mask=False)
+                size = 4 * math.prod(plan.shape) * plan.hidden.shape[-1]
+                if size <= room:
+                    plan, room = dataclasses.replace(plan, mask=expand_mask(plan)), room - size
+                plans.append(plan)
             self._plans = (meta, shape, plans)
         return self._plans[2]
 

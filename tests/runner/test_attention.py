@@ -167,16 +167,19 @@ def test_torch_path_matches_dense_reference(reqs: list[tuple[int, int]], block_s
 
 def test_a_long_chunk_runs_in_bounded_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the scores of a call capped low, a long chunk runs in several calls of
-    whole tiles, each under the cap and none holding an expanded mask for the step,
-    every row served once; the output still matches the dense reference."""
+    whole tiles, each under the cap, holding expanded masks for the step only up to
+    their own cap, every row served once; the output still matches the dense
+    reference."""
     # Two tiles of 64 rows x 9 heads x 512 keys: the 300-row chunk's five tiles (keys
     # padded to 384, 384, 512, 512, 512) run as 2 + 2 + 1, the 90-row chunk's two as one.
     monkeypatch.setattr(torch_paged, "MAX_CALL_SCORES", 2 * 64 * 9 * 512)
     batch = make_batch([(200, 300), (7, 1), (0, 90)], 9, 3, head_dim=32, block_size=16)
+    # Room for one long call's mask: the first is held, the other three expand per call.
+    monkeypatch.setattr(torch_paged, "MAX_HELD_MASK_BYTES", 4 * 2 * 64 * 9 * 384)
     backend = TorchPagedAttention()
     plans = backend._split(batch.meta, (16, 9, 3))
-    long = [plan for plan in plans if plan.mask is None]
-    assert len(long) == 4 and plans[0].mask is not None  # the short call holds its mask
+    assert [plan.mask is None for plan in plans] == [False, False, True, True, True]
+    long = plans[1:]
     for plan in long:
         num_reqs, num_kv_heads, max_q, group = plan.shape
         assert num_reqs * num_kv_heads * max_q * group * plan.hidden.shape[-1] <= (
