@@ -303,7 +303,7 @@ def result_rows(configs: list[Config], runs_of: dict[int, list[dict]],
     return rows
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--methods", default=",".join(METHODS))
@@ -339,7 +339,11 @@ def main(argv: list[str] | None = None) -> dict:
                              "policy starts from a running server's estimates (default: "
                              "a fresh engine's prior)")
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     out_path = args.out or ROOT / "benchmarks" / "results" / (
         "spec_decode_quick.json" if args.quick else "spec_decode.json")
     methods = [m for m in args.methods.split(",") if m]

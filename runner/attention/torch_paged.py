@@ -29,7 +29,7 @@ provided that:
 - scores, softmax and the weighted sum run in float32 whatever the model's dtype.
 
 A long chunk once ran torch's fused scaled-dot-product attention instead, which sums in
-an order of its own: in bfloat16 a prompt's last rows then differed (by up to 0.2 in a
+an order of its own: in bfloat16 a prompt's last rows then differed (by up to 0.375 in a
 logit) between a prompt prefilled whole and one whose last chunk was short, and greedy
 outputs with speculation on parted from speculation off's.
 """
@@ -82,7 +82,7 @@ class BatchedPlan:
     mask: torch.Tensor | None
     out_index: torch.Tensor  # row of out.view(-1, D) of each real padded query row
     real: torch.Tensor  # [R*Hkv*Q*G] bool: which padded query rows are real
-    # When every request is in the plan: the padded row of each out row, in order.
+    # When the plan serves every row of the pass: the padded row of each out row.
     gather_out: torch.Tensor | None
 
 
@@ -114,13 +114,15 @@ class TorchPagedAttention(AttentionBackend):
         """One plan for the short queries, then a long chunk's tiles in groups."""
         if self._plans is None or self._plans[0] is not meta or self._plans[1] != shape:
             short, long = _slices(meta)
-            plans = [plan_batched(meta, short, *shape)] if short else []
+            # The short call always holds its mask (the decode path); long calls while
+            # their masks fit in MAX_HELD_MASK_BYTES.
+            plans = [_holding_mask(plan_batched(meta, short, *shape))] if short else []
             room = MAX_HELD_MASK_BYTES
             for tiles in _group_tiles(long, heads=shape[1]):
-                plan = plan_batched(meta, tiles, *shape, hold_mask=False)
+                plan = plan_batched(meta, tiles, *shape)
                 size = 4 * math.prod(plan.shape) * plan.hidden.shape[-1]
                 if size <= room:
-                    plan, room = dataclasses.replace(plan, mask=expand_mask(plan)), room - size
+                    plan, room = _holding_mask(plan), room - size
                 plans.append(plan)
             self._plans = (meta, shape, plans)
         return self._plans[2]
@@ -160,8 +162,9 @@ def _group_tiles(long: list[list[Slice]], heads: int) -> list[list[Slice]]:
 
 
 def plan_batched(meta: AttentionMetadata, slices: list[Slice], block_size: int,
-                 num_heads: int, num_kv_heads: int, hold_mask: bool = True) -> BatchedPlan:
-    """The padded call for these slices of requests' rows (at least one).
+                 num_heads: int, num_kv_heads: int) -> BatchedPlan:
+    """The padded call for these slices of requests' rows (at least one), its mask not
+    yet expanded (`_holding_mask`).
 
     Padding query rows repeat the slice's last row (their output is dropped), and
     padding key slots point at the request's position 0 (always masked), so nothing
@@ -197,10 +200,14 @@ def plan_batched(meta: AttentionMetadata, slices: list[Slice], block_size: int,
     if sum(n for _, _, n, _ in slices) == meta.num_actual_tokens:
         gather_out = torch.empty_like(out_index)
         gather_out[out_index] = torch.nonzero(real).flatten()
-    plan = BatchedPlan({req for req, *_ in slices}, shape, q_index.reshape(-1),
+    return BatchedPlan({req for req, *_ in slices}, shape, q_index.reshape(-1),
                        (slots[:, None, :] * num_kv_heads + kv_heads[None, :, None]).reshape(-1),
                        hidden, None, out_index, real, gather_out)
-    return dataclasses.replace(plan, mask=expand_mask(plan)) if hold_mask else plan
+
+
+def _holding_mask(plan: BatchedPlan) -> BatchedPlan:
+    """The plan with its mask expanded once, for every layer of the step."""
+    return dataclasses.replace(plan, mask=expand_mask(plan))
 
 
 def expand_mask(plan: BatchedPlan) -> torch.Tensor:
