@@ -295,13 +295,21 @@ class ModelRunner:
             emitted, logprobs = self._sample(step, logits, spec)
             result = self._record(step, computed, emitted, k, planned)
         with self._phase("draft"):
+            # Timed on its own for the goodput policy's step-time model. The sampled
+            # tokens are on the host by now (the drafters read them), so on CUDA this
+            # start waits for nothing the step does not wait for anyway.
+            draft_start = time.perf_counter()
             drafts = (self.spec.propose(result, features, req_ids, planned)
                       if self.spec else {})
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            drafter_seconds = time.perf_counter() - draft_start
         out_tokens: list[list[int]] = [[] for _ in req_ids]
         for j, i in enumerate(np.flatnonzero(step.samples).tolist()):
             out_tokens[i] = emitted[j]
         return ModelRunnerOutput(req_ids, out_tokens, drafts, pass_rows=self.last_pass_rows,
-                                 logprobs=logprobs)
+                                 logprobs=logprobs,
+                                 drafter_seconds=drafter_seconds if self.spec else None)
 
     def _forward(self, step: PreparedStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Final hidden states, and the aux features the drafter's head reads."""

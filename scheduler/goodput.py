@@ -127,7 +127,8 @@ class GoodputPolicy:
             gains = self._gains(own + bonus[:, None], limit)
             threshold, margin = self._threshold(gains[:num], max(num, 1), catch_up)
             caps = (gains >= threshold).sum(axis=1)
-            caps, explorers = self._few_explorers(caps, self._gains(own, limit), threshold)
+            plain = self._gains(own, limit)
+            caps, explorers = self._few_explorers(caps, plain, threshold)
             # Held only where every request could have drafted: one in prefill now
             # may draft in a step or two. Nobody drafting, nothing is verified and the
             # estimates stand still, so the choice is held at least as long as one
@@ -138,6 +139,10 @@ class GoodputPolicy:
                        if eligible and self.time_model.settled else 0)
             self._keep_choice(caps[:num], gains[:num], threshold, verifications,
                               first_accepted, produced, bonus[:num] * explorers)
+            # The forecast the check holds to account is the estimates' own, without
+            # the optimism that chose explorers: the optimism is a bet, not a forecast,
+            # and counted in, it would scale every later forecast down for the bets.
+            gains = plain
         chosen = np.arange(self.max_k)[None, :] < caps[:, None]
         self.new_request_cap = int(caps[num])
         self.check.expect(float(gains[:num][chosen[:num]].sum()), int(caps[:num].sum()))
@@ -332,12 +337,15 @@ class GoodputPolicy:
 
     def observe_step(self, verified: list[int], accepted: list[int], states: list[int],
                      rows: tuple[int, int, int, int], seconds: float | None,
-                     produced: list[int] | None = None) -> None:
+                     produced: list[int] | None = None,
+                     drafter_seconds: float | None = None) -> None:
         """What a step's results teach: its verifications (with the state each request
         was in and its output tokens then), and its time if measured, with its rows:
-        target, logit, drafter, and the drafter's forward passes. A step that held a
-        plan only joins the time model's sums: its next plan refits."""
+        target, logit, drafter, and the drafter's forward passes (and the share of its
+        time those passes took, if timed apart). A step that held a plan only joins the
+        time model's sums: its next plan refits."""
         self.acceptance.record(verified, accepted, states, produced)
         self.check.settle(sum(accepted), sum(verified))
         if seconds is not None:
-            self.time_model.observe(*rows, seconds, refit=not self._held)
+            self.time_model.observe(*rows, seconds, refit=not self._held,
+                                    drafter_seconds=drafter_seconds)

@@ -96,6 +96,9 @@ class ModelRunnerOutput:
     # Wall seconds the step took, as the runner measured it (the goodput draft policy
     # fits its step-time model to it); None where nothing was measured.
     step_seconds: float | None = None
+    # ... of which the drafter's passes took this many (where it ran any): the policy
+    # fits the target's and the drafter's costs apart from it (scheduler/step_cost.py).
+    drafter_seconds: float | None = None
 
 
 @dataclass(slots=True)  # one per request per step: keep it cheap

@@ -420,7 +420,7 @@ class Scheduler:
         drafter = sum(rows.values()) - target
         self.policy.observe_step(verified, accepted, states,
                                  (target, self._logit_rows, drafter, self._drafter_passes),
-                                 result.step_seconds, produced)
+                                 result.step_seconds, produced, result.drafter_seconds)
         if result.step_seconds is not None and self._predicted_seconds is not None:
             self.stats.goodput.record_time(self._predicted_seconds, result.step_seconds)
 

@@ -29,6 +29,7 @@ from scheduler.config import GoodputSettings
 KNOTS = (6, 16, 64, 256)
 _KNOTS = np.array(KNOTS, dtype=float)
 _NUM_FEATURES = 5 + 2 * len(KNOTS)  # constant, t - l, l, p, d and the hinges of l and d
+_DRAFTER_COLUMN = 3 + len(KNOTS)  # where the drafter's features start: p, d, its hinges
 # Prior step-time parameters (seconds) by drafter kind. The target's: a constant, per
 # row that gives no logits (a prefill row), per row that gives logits (a verified
 # draft's row, a sampling chunk's last row: the LM head, sampling and attention over
@@ -87,6 +88,27 @@ def _prior_precision(drafter_kind: str) -> np.ndarray:
     return np.diag(np.array(target + drafter))
 
 
+def _by_pass(x: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The regression's rows for observed `steps` (their features `x`), their seconds and
+    their ages in steps. A step whose drafter passes were timed apart gives two rows: its
+    target's features against its time without the drafter's, and its drafter's features
+    against the drafter's time. Steps that draft have both verification rows and drafter
+    passes, so from whole steps the fit tells the two apart only where the batch drafts
+    unevenly (measured at 4 running: whole steps priced dflash's drafter pass at 7.0 ms,
+    its passes timed apart at 3.2 ms, and the runner's draft phase took 3.3 ms a pass)."""
+    age = np.arange(len(steps) - 1, -1, -1)
+    split = ~np.isnan(steps[:, 6]) & (steps[:, 3] > 0)
+    if not split.any():
+        return x, steps[:, 4], age
+    drafter = np.zeros((int(split.sum()), x.shape[1]))
+    drafter[:, _DRAFTER_COLUMN:] = x[split, _DRAFTER_COLUMN:]
+    target = x.copy()
+    target[split, _DRAFTER_COLUMN:] = 0.0
+    seconds = steps[:, 4] - np.where(split, steps[:, 6], 0.0)
+    return (np.concatenate([target, drafter]), np.concatenate([seconds, steps[split, 6]]),
+            np.concatenate([age, age[split]]))
+
+
 class StepTimeModel:
     """Seconds of a step from its target rows t, the l of them that give logits, its
     drafter rows d (all drafter passes and one-row steps together) and the p drafter
@@ -113,10 +135,11 @@ class StepTimeModel:
         self.noise_var = 1e-6  # of one step's time around the fit (s^2): ~1 ms to start
         self.forgetting = settings.forgetting
         # Observed steps wait here (target, logits, drafter, passes, seconds, whether
-        # the step teaches the noise) and join the sums in one product (`_fold`) when
-        # a decision next refits: a refit per step cost ~0.1 ms of a decision in
-        # place at 4 running (the inverse, the solve, four numpy calls a step).
-        self._pending: list[tuple[int, int, int, int, float, bool]] = []
+        # the step teaches the noise, the drafter's seconds or NaN) and join the sums
+        # in one product (`_fold`) when a decision next refits: a refit per step cost
+        # ~0.1 ms of a decision in place at 4 running (the inverse, the solve, four
+        # numpy calls a step).
+        self._pending: list[tuple[int, int, int, int, float, bool, float]] = []
         self.refit_every = settings.refit_every
         self._teaching = 0  # steps waiting that teach the noise
         self._unfitted = False  # whether the sums hold steps the fit has not seen
@@ -131,7 +154,7 @@ class StepTimeModel:
         lg, p = np.asarray(logits, dtype=float), np.asarray(passes, dtype=float)
         shape = np.broadcast_shapes(t.shape, lg.shape, d.shape, p.shape)
         x = np.empty((*shape, _NUM_FEATURES))
-        hinges = 3 + len(KNOTS)  # where the drafter's columns start
+        hinges = _DRAFTER_COLUMN
         x[..., 0] = 1.0
         x[..., 1] = t - lg
         x[..., 2] = lg
@@ -224,15 +247,18 @@ class StepTimeModel:
         return self._cov
 
     def observe(self, target: int, logits: int, drafter: int, passes: int,
-                seconds: float, refit: bool = True) -> None:
+                seconds: float, refit: bool = True,
+                drafter_seconds: float | None = None) -> None:
         """Add a step to the fit: it waits to join the sums (`_fold`) until the next
-        refit. With `refit` False (a step the policy planned nothing for: it held
-        a choice) the noise is left as it is; otherwise the step's residual against the
-        fit it was priced by teaches the noise, a residual against a fit that has not
-        seen it, so a step the fit has seen does not make the noise look smaller than
-        it is."""
+        refit. `drafter_seconds`: the share of `seconds` its drafter passes took, if
+        the runner timed them apart (`_by_pass`). With `refit` False (a step the
+        policy planned nothing for: it held a choice) the noise is left as it is;
+        otherwise the step's residual against the fit it was priced by teaches the
+        noise, a residual against a fit that has not seen it, so a step the fit has
+        seen does not make the noise look smaller than it is."""
         self.num_observed += 1
-        self._pending.append((target, logits, drafter, passes, seconds, refit))
+        self._pending.append((target, logits, drafter, passes, seconds, refit,
+                              np.nan if drafter_seconds is None else drafter_seconds))
         self._teaching += refit
         # Refitted every `refit_every` such steps (each step while the model is young:
         # its first steps move it most), so a residual is against a fit a few steps
@@ -260,11 +286,11 @@ class StepTimeModel:
             self.noise_var = (self.forgetting ** len(residual) * self.noise_var
                               + (1.0 - self.forgetting)
                               * float((self.forgetting ** age) @ (residual * residual)))
-        age = np.arange(len(steps) - 1, -1, -1)
+        x, seconds, age = _by_pass(x, steps)
         weighted = x * (self.forgetting ** age)[:, None]
         fade = self.forgetting ** len(steps)
         self.gram = self.gram * fade + weighted.T @ x
-        self.moment = self.moment * fade + weighted.T @ steps[:, 4]
+        self.moment = self.moment * fade + weighted.T @ seconds
         self._cov, self._unfitted = None, True
 
     def _fit(self, cov: np.ndarray, precision: np.ndarray, moment: np.ndarray) -> np.ndarray:

@@ -161,6 +161,32 @@ def test_buffers_fixed_and_same_with_spec_on(model: LlamaForCausalLM,
     assert [b.cpu.data_ptr() for b in runner.buffers.all()] == ptrs
 
 
+def test_the_runner_times_its_drafter_apart(model: LlamaForCausalLM,
+                                            prompt_ids: dict[str, list[int]]) -> None:
+    """Each step reports its wall time and, with speculation on, the share its drafter
+    took (the goodput policy's time model fits the two apart); none with it off."""
+    sched_cfg = SchedulerConfig(64, 8, 512)
+    spec = SpeculativeConfig("dflash", 2, model="random")
+    runner = ModelRunner(RunnerConfig(), sched_cfg, BLOCK, spec, model=model)
+    runner.initialize_kv_cache(64)
+    sched = Scheduler(sched_cfg, CacheConfig(BLOCK, 64, True), spec)
+    off_sched, off_runner = make_engine(model)
+    for rid, ids in prompt_ids.items():
+        sched.add_request(Request(rid, ids, SamplingParams(max_tokens=4)))
+        off_sched.add_request(Request(rid, ids, SamplingParams(max_tokens=4)))
+    drafted = 0
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        result = runner.execute(out)
+        assert result.step_seconds is not None and result.drafter_seconds is not None
+        assert 0.0 < result.drafter_seconds < result.step_seconds
+        drafted += bool(result.draft_token_ids)
+        sched.update_from_output(out, result)
+    assert drafted
+    off_out = off_sched.schedule()
+    assert off_runner.execute(off_out).drafter_seconds is None
+
+
 def test_over_budget_output_raises_before_writing(model: LlamaForCausalLM) -> None:
     sched, runner = make_engine(model, budget=16)
     sched.add_request(Request("r", list(range(100, 112)), SamplingParams(max_tokens=2)))
