@@ -125,7 +125,9 @@ class GoodputPolicy:
                                                 produced)
         else:
             gains = self._gains(own + bonus[:, None], limit)
-            threshold, margin = self._threshold(gains[:num], max(num, 1), catch_up)
+            threshold, margin, depth = self._threshold(gains[:num], max(num, 1), catch_up)
+            gains[:, depth:] = 0.0
+            limit = np.minimum(limit, depth)
             caps = (gains >= threshold).sum(axis=1)
             plain = self._gains(own, limit)
             caps, explorers = self._few_explorers(caps, plain, threshold)
@@ -138,7 +140,7 @@ class GoodputPolicy:
                        at_least=self.settings.reuse_steps - 1
                        if eligible and self.time_model.settled else 0)
             self._keep_choice(caps[:num], gains[:num], threshold, verifications,
-                              first_accepted, produced, bonus[:num] * explorers)
+                              first_accepted, produced, bonus[:num] * explorers, depth)
             # The forecast the check holds to account is the estimates' own, without
             # the optimism that chose explorers: the optimism is a bet, not a forecast,
             # and counted in, it would scale every later forecast down for the bets.
@@ -169,10 +171,11 @@ class GoodputPolicy:
 
     def _keep_choice(self, caps: np.ndarray, gains: np.ndarray, threshold: float,
                      verifications: np.ndarray, first_accepted: np.ndarray,
-                     produced: np.ndarray | None, bonus: np.ndarray) -> None:
+                     produced: np.ndarray | None, bonus: np.ndarray, depth: int) -> None:
         """Keep a decision that drafts for the next steps, with each request's cap for
         every state its next verification may leave (its optimism only if it explores
-        now); a verification resets what it made unverified. Not while the time model
+        now), never past the decision's `depth`; a verification resets what it made
+        unverified. Not while the time model
         is young: its first steps move it most (the first drafting steps may show rows
         to be nearly free)."""
         self._kept, self._kept_steps = None, 1
@@ -186,6 +189,7 @@ class GoodputPolicy:
             verifications[each], first_accepted[each], outcomes,
             unverified=np.zeros(len(each), dtype=np.int64), produced=produced[each])
         by_state = self._gains(own + bonus[each, None]).reshape(num, NUM_OUTCOMES, -1)
+        by_state[..., depth:] = 0.0  # the decision's deepest draft holds in every state
         self._kept = KeptChoice.of(caps, gains, by_state, threshold, verifications, produced)
 
     def _may_keep(self, caps: np.ndarray, produced: np.ndarray | None) -> bool:
@@ -298,14 +302,37 @@ class GoodputPolicy:
         return np.append(plan, plan.max())
 
     def _threshold(self, gains: np.ndarray, num_sampling: int,
-                   catch_up: np.ndarray) -> tuple[float, float]:
-        """The smallest gain worth a draft: drafts sorted by gain, the prefix that
-        maximises (tokens) / (predicted seconds), within B rows of the target pass. A
-        request's first draft also brings the rows its parked drafter catches up.
-        Also, where no draft is worth it, by how much the best prefix falls short (its
-        tokens per second under those without drafts, as a share; 0 where drafts win
-        or none fits)."""
-        k = self.max_k
+                   catch_up: np.ndarray) -> tuple[float, float, int]:
+        """The smallest gain worth a draft and the deepest draft allowed: the best of
+        `_best_prefix` over all drafts and, for a sequential drafter, over the drafts
+        of each depth d < K alone (those with index < d). Its every draft past a
+        request's first adds a one-row pass for the whole step, and sorted by gain one
+        request's second draft may come before another's first; then every prefix that
+        drafts for all pays that pass, and the best was to draft one or two requests
+        (measured: eagle at 4 running, goodput's steps cost fixed K = 2's and made
+        fixed K = 1's tokens). Also, where no draft is worth it at any depth, by how
+        much the best prefix falls short (`_best_prefix`)."""
+        depths = range(1, self.max_k + 1) if self.costs.sequential else (self.max_k,)
+        best_rate, best, shortfall = -np.inf, (np.inf, self.max_k), np.inf
+        for depth in depths:
+            rate, threshold, margin = self._best_prefix(gains[:, :depth], num_sampling,
+                                                        catch_up)
+            if threshold < np.inf and rate > best_rate:
+                best_rate, best = rate, (threshold, depth)
+            shortfall = min(shortfall, margin)
+        if best_rate > -np.inf:
+            return best[0], 0.0, best[1]
+        return np.inf, (shortfall if shortfall < np.inf else 0.0), self.max_k
+
+    def _best_prefix(self, gains: np.ndarray, num_sampling: int,
+                     catch_up: np.ndarray) -> tuple[float, float, float]:
+        """Drafts sorted by gain, the prefix that maximises (tokens) / (predicted
+        seconds), within B rows of the target pass: its rate, and its smallest gain
+        (inf where no prefix beats drafting nothing). A request's first draft also
+        brings the rows its parked drafter catches up. Also, where no draft is worth
+        it, by how much the best prefix falls short (its tokens per second under those
+        without drafts, as a share; 0 where drafts win or none fits)."""
+        k = gains.shape[1]
         flat = gains.ravel()
         order = np.argsort(-flat, kind="stable")
         g = flat[order]
@@ -326,9 +353,9 @@ class GoodputPolicy:
         rate[~fits] = -np.inf
         best = int(np.argmax(rate))
         if best > 0:
-            return float(g[best - 1]), 0.0
+            return float(rate[best]), float(g[best - 1]), 0.0
         runner_up = float(rate[1:].max(initial=-np.inf))
-        return np.inf, (1.0 - runner_up / rate[0] if runner_up > 0 else 0.0)
+        return float(rate[0]), np.inf, (1.0 - runner_up / rate[0] if runner_up > 0 else 0.0)
 
     def observe_finished(self, verifications: list[int], first_accepted: int) -> None:
         """A request left the batch: how its own acceptance strayed from its states'

@@ -109,13 +109,14 @@ def test_bad_spread_settings_are_refused_by_name(field: str, value: float) -> No
 
 
 def test_the_scheduler_teaches_the_spread_from_every_finished_request() -> None:
-    """Requests that all accept alike (the simulated runner's one rate): each one that
+    """Requests that all accept alike (the simulated runner's one rate), on a clock
+    where drafting pays, so every request drafts and is verified: each one that
     finishes is counted, and the weight it learns, the largest, shows in the stats."""
     sched = make_scheduler("ngram", k=4, budget=256, draft_policy="goodput",
                            max_model_len=512)
     assert sched.policy is not None
     runner = SimulatedRunner(sched, acceptance=0.9, seed=3,
-                             step_time=synthetic_step_time(0.00001, 0.9))
+                             step_time=synthetic_step_time(0.02, 0.0001))
     for i in range(40):
         sched.add_request(make_request(f"r{i}", 5 + i % 7, max_tokens=40, ignore_eos=True))
     assert sched.stats.goodput.request_weight is None
