@@ -5,6 +5,8 @@ clock), so every decision here is deterministic."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -496,24 +498,40 @@ def test_draft_costs_count_the_drafter_passes() -> None:
     assert ngram.passes(3, added).tolist() == [0] * 6
 
 
+def taught_pass_clock(method: str,
+                      draw: Callable[[np.random.Generator], tuple[int, int, int, int]],
+                      seed: int, noise: float) -> GoodputPolicy:
+    """A policy whose time model has seen 300 steps of `draw`'s rows (target, logit,
+    drafter rows, drafter passes) on a clock where a drafter pass costs 8 ms whatever
+    its rows: 20 ms a step, 0.1 ms a target row, 0.05 ms a drafter row."""
+    gp = GoodputPolicy(ThrottleRule(get_method(method), K, 4096), 4096)
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        target, logits, drafter, passes = draw(rng)
+        seconds = 0.02 + 0.0001 * target + 0.008 * passes + 0.00005 * drafter
+        gp.observe_step([], [], [], (target, logits, drafter, passes),
+                        seconds + float(rng.normal(0, noise)))
+    return gp
+
+
+def with_rates(gp: GoodputPolicy, rates: np.ndarray) -> None:
+    """Every state's and span's acceptance per position [NUM_OUTCOMES, K], as if
+    measured on a million verifications."""
+    gp.acceptance.reached[:] = 1e6
+    gp.acceptance.accepted[:] = rates[:, None, :] * 1e6
+
+
 def test_a_pass_that_runs_only_for_drafts_is_priced_whole() -> None:
     """dflash's query pass costs 8 ms whatever its rows, a row 0.1-0.15 ms. One request
     of 16 alone cannot pay for the pass with its 0.6-likely first draft (0.6 tokens for
     8 ms, where the step yields 0.5 tokens a ms); the same drafts from all 16 can.
     Without the pass count, one draft looked like 0.25 ms and was taken."""
-    def clock(rows: tuple[int, int, int, int]) -> float:
-        target, _, drafter, passes = rows
-        return 0.02 + 0.0001 * target + 0.008 * passes + 0.00005 * drafter
-
-    gp = GoodputPolicy(ThrottleRule(get_method("dflash"), K, 4096), 4096)
-    rng = np.random.default_rng(5)
-    for _ in range(300):
+    def draw(rng: np.random.Generator) -> tuple[int, int, int, int]:
         drafting = int(rng.integers(0, 17))
-        rows = (16 + drafting, 16 + drafting, 16 + 3 * drafting, 1 + (drafting > 0))
-        gp.observe_step([], [], [], rows, clock(rows) + float(rng.normal(0, 0.0005)))
-    rates = np.full((NUM_OUTCOMES, K), 0.6)
-    gp.acceptance.reached[:] = 1e6
-    gp.acceptance.accepted[:] = rates[:, None, :] * 1e6
+        return 16 + drafting, 16 + drafting, 16 + 3 * drafting, 1 + (drafting > 0)
+
+    gp = taught_pass_clock("dflash", draw, seed=5, noise=0.0005)
+    with_rates(gp, np.full((NUM_OUTCOMES, K), 0.6))
     past, first = history([100] * 16), np.full(16, 60)
     alone = gp.caps(past, first, np.array([ALL_ACCEPTED] + [NONE_ACCEPTED] * 15),
                     np.array([K] + [0] * 15))
@@ -763,22 +781,16 @@ def test_a_sequential_drafter_may_draft_everyone_shallow() -> None:
     Sorted by gain, the first request's four drafts come before anyone else's first,
     so every prefix that drafts for all four pays four passes, and none beats drafting
     nothing; one draft each, one pass, does (6.45 tokens in 29 ms against 4 in 20)."""
-    def clock(rows: tuple[int, int, int, int]) -> float:
-        target, _, drafter, passes = rows
-        return 0.02 + 0.0001 * target + 0.008 * passes + 0.00005 * drafter
-
-    gp = GoodputPolicy(ThrottleRule(get_method("eagle"), K, 4096), 4096)
-    rng = np.random.default_rng(6)
-    for _ in range(300):
+    def draw(rng: np.random.Generator) -> tuple[int, int, int, int]:
         drafting, depth = int(rng.integers(0, 5)), int(rng.integers(1, K + 1))
         drafts = drafting * depth
-        rows = (4 + drafts, 4 + drafts, drafts + drafting, depth * (drafting > 0))
-        gp.observe_step([], [], [], rows, clock(rows) + float(rng.normal(0, 0.0003)))
+        return 4 + drafts, 4 + drafts, drafts + drafting, depth * (drafting > 0)
+
+    gp = taught_pass_clock("eagle", draw, seed=6, noise=0.0003)
     rates = np.full((NUM_OUTCOMES, K), 0.3)
     rates[:, 0] = 0.5
     rates[ALL_ACCEPTED] = 0.95
-    gp.acceptance.reached[:] = 1e6
-    gp.acceptance.accepted[:] = rates[:, None, :] * 1e6
+    with_rates(gp, rates)
     got = gp.caps(history([100] * 4), np.full(4, 50),
                   np.array([ALL_ACCEPTED] + [NONE_ACCEPTED] * 3), np.full(4, K))
     assert got.tolist() == [1, 1, 1, 1]
