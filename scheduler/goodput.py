@@ -175,9 +175,8 @@ class GoodputPolicy:
         """Keep a decision that drafts for the next steps, with each request's cap for
         every state its next verification may leave (its optimism only if it explores
         now), never past the decision's `depth`; a verification resets what it made
-        unverified. Not while the time model
-        is young: its first steps move it most (the first drafting steps may show rows
-        to be nearly free)."""
+        unverified. Not while the time model is young: its first steps move it most
+        (the first drafting steps may show rows to be nearly free)."""
         self._kept, self._kept_steps = None, 1
         if not self._may_keep(caps, produced):
             return
@@ -310,8 +309,9 @@ class GoodputPolicy:
         request's second draft may come before another's first; then every prefix that
         drafts for all pays that pass, and the best was to draft one or two requests
         (measured: eagle at 4 running, goodput's steps cost fixed K = 2's and made
-        fixed K = 1's tokens). Also, where no draft is worth it at any depth, by how
-        much the best prefix falls short (`_best_prefix`)."""
+        fixed K = 1's tokens; this alone did not close that gap, README). Also, where
+        no draft is worth it at any depth, by how much the best prefix falls short
+        (`_best_prefix`)."""
         depths = range(1, self.max_k + 1) if self.costs.sequential else (self.max_k,)
         best_rate, best, shortfall = -np.inf, (np.inf, self.max_k), np.inf
         for depth in depths:

@@ -154,14 +154,14 @@ class StepTimeModel:
         lg, p = np.asarray(logits, dtype=float), np.asarray(passes, dtype=float)
         shape = np.broadcast_shapes(t.shape, lg.shape, d.shape, p.shape)
         x = np.empty((*shape, _NUM_FEATURES))
-        hinges = _DRAFTER_COLUMN
+        first = _DRAFTER_COLUMN  # the drafter's columns start here
         x[..., 0] = 1.0
         x[..., 1] = t - lg
         x[..., 2] = lg
-        x[..., 3:hinges] = np.maximum(lg[..., None] - _KNOTS, 0.0)
-        x[..., hinges] = p
-        x[..., hinges + 1] = d
-        x[..., hinges + 2:] = np.maximum(d[..., None] - _KNOTS, 0.0)
+        x[..., 3:first] = np.maximum(lg[..., None] - _KNOTS, 0.0)
+        x[..., first] = p
+        x[..., first + 1] = d
+        x[..., first + 2:] = np.maximum(d[..., None] - _KNOTS, 0.0)
         return x
 
     @staticmethod
