@@ -5,12 +5,13 @@ Two online estimates, both owned by the policy and both injectable (tests seed t
 
 - `AcceptanceEstimates` (scheduler/acceptance.py): per draft position i, how often a
   draft that is reached (all drafts before it accepted) is accepted, kept per state the
-  request's last verification left (all accepted, some, none, no verification yet:
-  drafts come in runs, so that state predicts best) and per span of the answer it is
-  in (a lookup drafter copies more as the answer grows), counted with decay so the
-  estimate follows a changing workload. Each request's own record scales it (its
-  first-draft acceptances over what its states predicted: a request that keeps
-  rejecting stops drafting, one that accepts everything drafts the most); that record
+  request's last verification had left when the draft's k was chosen (all accepted,
+  some, none, no verification yet: drafts come in runs; scheduler/request.py) and per
+  span of the answer it is in (a lookup drafter copies more as the answer grows),
+  counted with decay so the estimate follows a changing workload. Each request's own
+  record scales it (its first-draft acceptances over what its states predicted: a
+  request that keeps rejecting stops drafting, one that accepts everything drafts the
+  most); that record
   and its state fade while it goes unverified, so a request parked early is rated by
   its span again later. A request with little history gets a little optimism, so the
   estimates keep learning, less as the method's own record grows.

@@ -483,6 +483,7 @@ class Scheduler:
                 continue  # aborted after it was scheduled
             if request.suspect:
                 request.suspect = not sampled  # cleared by a whole step
+            chosen_in = request.last_outcome  # the state this step's k was chosen in
             spec = spec_tokens.get(rid)
             if spec or len(sampled) > 1:
                 verified = len(spec) if spec else 0
@@ -492,7 +493,7 @@ class Scheduler:
                                                    request.num_computed_tokens)
                 verified_counts.append(verified)
                 accepted_counts.append(accepted)
-                states.append(request.last_outcome)
+                states.append(request.drafted_in)
                 produced.append(request.num_output_tokens)
                 request.record_verification(verified, accepted)
             num_before = len(request.output_token_ids)
@@ -501,6 +502,7 @@ class Scheduler:
                 advanced.append(request)
                 new_drafts = drafts.get(rid)
                 request.spec_token_ids = list(new_drafts) if new_drafts else []
+                request.drafted_in = chosen_in
                 if sampled:  # nothing cut: the new tokens are the sampled ones
                     outputs.append(EngineCoreOutput(
                         rid, sampled, False, None,

@@ -148,6 +148,27 @@ def test_outcomes_and_counts_per_state() -> None:
     assert got.tolist() == want.tolist()
 
 
+def test_a_verification_counts_under_the_state_its_drafts_were_chosen_in() -> None:
+    """A step's k is chosen before that step verifies, so the drafts it verifies next
+    were chosen knowing the state the verification before left. Accept everything,
+    then nothing, then anything: the first two verifications count under FRESH (the
+    state when the first two k were chosen), the third under ALL_ACCEPTED, never under
+    NONE_ACCEPTED (what the state was as the drafts were proposed)."""
+    scheduler = make_scheduler("ngram", k=2, budget=64)
+    runner = SimulatedRunner(scheduler, acceptance=1.0)
+    request = make_request("r", 8, max_tokens=32)
+    scheduler.add_request(request)
+    run_step(scheduler, runner)  # prefill: samples, proposes its first drafts
+    seen = []
+    for acceptance in (1.0, 0.0, 0.5):
+        runner.acceptance = acceptance
+        out, _ = run_step(scheduler, runner)
+        assert out.scheduled_spec_decode_tokens["r"]  # it verified drafts
+        seen.append(request.last_outcome)
+    assert seen[:2] == [ALL_ACCEPTED, NONE_ACCEPTED]
+    assert request.verifications_by_state == [2, 1, 0, 0]
+
+
 def test_a_request_in_a_run_of_accepted_drafts_drafts_deeper() -> None:
     """Drafts come in runs: after a verification that accepted everything the next
     drafts are accepted 0.9 of the time, after one that rejected everything 0.1. Same
