@@ -192,6 +192,32 @@ def test_a_long_chunk_runs_in_bounded_calls(monkeypatch: pytest.MonkeyPatch) -> 
                                atol=1e-5, rtol=1e-5)
 
 
+def test_short_queries_run_in_calls_of_like_length() -> None:
+    """Decodes and verifications of many lengths run in calls of at most
+    SHORT_CALL_KEYS padded request-keys (one request past it runs alone), each padded
+    only to its own longest: a 40-key decode never pads to the 900-key request beside
+    it. Every row is served once, and the output still matches the dense reference."""
+    lens = [40, 900, 130, 60, 260, 90, 120, 70, 300, 50, 1500, 100]
+    batch = make_batch([(seen - rows, rows) for seen, rows in
+                        zip(lens, [1, 3, 1, 5, 1, 1, 2, 1, 1, 4, 1, 1], strict=True)],
+                       9, 3, head_dim=32, block_size=16)
+    plans = TorchPagedAttention()._split(batch.meta, (16, 9, 3))
+    limit, chunk = torch_paged.SHORT_CALL_KEYS, torch_paged.KEY_CHUNK
+    keys = [plan.hidden.shape[-1] for plan in plans]
+    assert len(plans) > 1 and keys == sorted(keys)
+    for plan in plans:
+        assert len(plan.reqs) == 1 or len(plan.reqs) * plan.hidden.shape[-1] <= limit
+        seen = [lens[r] for r in plan.reqs]
+        assert plan.hidden.shape[-1] == -(-max(seen) // chunk) * chunk
+    assert max(keys[:1]) == chunk  # the shortest decodes pad to one chunk, not 1,536 keys
+    served = torch.cat([plan.out_index for plan in plans])
+    assert sorted(served.tolist()) == list(range(batch.query.numel() // 32))
+    scale = 1 / math.sqrt(32)
+    out, _, _ = run("torch", batch, scale)
+    torch.testing.assert_close(out.double(), dense_reference(batch, scale),
+                               atol=1e-5, rtol=1e-5)
+
+
 # (a2) a row's output does not depend on what shares the pass -------------------------
 
 class RowProbe:
