@@ -3,9 +3,9 @@
 `AcceptanceEstimates`: per draft position i, how often a draft that is reached (all
 drafts before it accepted) is accepted, kept per state the request's last verification
 had left when the draft's k was chosen (all accepted, some, none, no verification yet:
-drafts come in runs) and per span of the answer it is in (a lookup drafter copies more as the
-answer grows), counted with decay so the estimate follows a changing workload; each
-request's own record scales it. `ForecastCheck`: how many of the drafts the policy
+drafts come in runs) and per span of the answer it is in (a lookup drafter copies more
+as the answer grows), counted with decay so the estimate follows a changing workload;
+each request's own record scales it. `ForecastCheck`: how many of the drafts the policy
 chose were accepted against how many it forecast, which scales its next forecasts.
 """
 

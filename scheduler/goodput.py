@@ -11,10 +11,9 @@ Two online estimates, both owned by the policy and both injectable (tests seed t
   counted with decay so the estimate follows a changing workload. Each request's own
   record scales it (its first-draft acceptances over what its states predicted: a
   request that keeps rejecting stops drafting, one that accepts everything drafts the
-  most); that record
-  and its state fade while it goes unverified, so a request parked early is rated by
-  its span again later. A request with little history gets a little optimism, so the
-  estimates keep learning, less as the method's own record grows.
+  most); that record and its state fade while it goes unverified, so a request parked
+  early is rated by its span again later. A request with little history gets a little
+  optimism, so the estimates keep learning, less as the method's own record grows.
 - `StepTimeModel` (scheduler/step_cost.py): the seconds of a step from its rows in
   each pass, fitted online from the step times the runner reports.
 

@@ -176,13 +176,17 @@ class Request:
         # fades while it drafts nothing (`GoodputSettings.evidence_half_life`).
         self.last_verified_output = 0
 
-    def record_verification(self, verified: int, accepted: int) -> None:
-        """`verified` drafts checked by the target, the first `accepted` of them right."""
-        self.verifications_by_state[self.drafted_in] += 1
+    def record_verification(self, verified: int, accepted: int) -> int:
+        """`verified` drafts checked by the target, the first `accepted` of them right;
+        returns the state they are counted under (the policy's estimates count them
+        there too)."""
+        state = self.drafted_in
+        self.verifications_by_state[state] += 1
         self.num_first_accepted += accepted > 0
         self.last_verified_output = len(self.output_token_ids)
         if verified:
             self.last_outcome = outcome(verified, accepted)
+        return state
 
     @property
     def num_prompt_tokens(self) -> int:

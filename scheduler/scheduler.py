@@ -493,9 +493,8 @@ class Scheduler:
                                                    request.num_computed_tokens)
                 verified_counts.append(verified)
                 accepted_counts.append(accepted)
-                states.append(request.drafted_in)
                 produced.append(request.num_output_tokens)
-                request.record_verification(verified, accepted)
+                states.append(request.record_verification(verified, accepted))
             num_before = len(request.output_token_ids)
             status = append_tokens(request, sampled, max_model_len)
             if status is None:

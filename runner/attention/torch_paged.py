@@ -58,9 +58,9 @@ LONG_TILE = 64
 # the caches, so each key costs more: one call's attention for a layer, decode rows of
 # the default model, 128 keys each: 8 requests 171 us, 32 612 us, 64 2,230 us; 256 keys:
 # 8 301 us, 64 6,283 us (a call's fixed cost ~90 us). Measured in place, speculation
-# off, greedy chat of 64 tokens: 16 running 164-175 -> 206-219 tok/s, 64 running
-# 260-269 -> 287-328; training data (`train-drafter`, 64 at once) 143 -> 239 answer
-# tokens/s, outputs unchanged. 1,024 beat 512, 2,048 and 4,096 there.
+# off, greedy chat of 64 tokens: 16 running 164-194 -> 206-244 tok/s, 64 running
+# 260-280 -> 287-328; training data (`train-drafter`, 64 at once) 95-159 -> 239-317
+# answer tokens/s, outputs unchanged. 1,024 beat 512, 2,048 and 4,096 there.
 SHORT_CALL_KEYS = 1024
 MAX_CALL_SCORES = 1 << 23  # float32 scores of one long-chunk call: 32 MiB
 # Long calls' expanded masks held for the whole step, up to this many bytes in all;
