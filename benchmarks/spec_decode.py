@@ -36,6 +36,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import write_report  # noqa: E402
 from engine.llm import LLM  # noqa: E402
+from engine.stepwise import run_side_by_side  # noqa: E402
 from runner.drafter import find_trained_head  # noqa: E402
 from runner.model_loader import load_model  # noqa: E402
 from runner.model_prep import resolve_model  # noqa: E402
@@ -132,31 +133,16 @@ def run_one(model: LlamaForCausalLM, method: str | None, prompts: list[str], k: 
 
 def run_pair(model: LlamaForCausalLM, config: Config, prompts: list[str], max_tokens: int,
              concurrency: int, warm: Served | None = None) -> tuple[dict, dict]:
-    """Speculation off and `config` on the same prompts, stepped alternately (each
-    step of one, then each of the other, who goes first swapping every step), each
-    timed by the sum of its own steps: this machine's speed drifts by tens of percent
-    over seconds, which separate runs a few seconds apart measure as much as the
-    difference between configurations; steps ~50 ms apart see the same machine.
-    Returns (off's record, the configuration's)."""
+    """Speculation off and `config` on the same prompts, stepped alternately, each
+    timed by the sum of its own steps (engine/stepwise.py: separate runs a few seconds
+    apart differ by as much as the configurations here). Returns (off's record, the
+    configuration's)."""
     configs = ((None, "off", config[2], None), config)
     engines = [engine_for(model, c, concurrency, warm) for c in configs]
     befores = [llm.get_metrics() for llm in engines]
-    params = SamplingParams(max_tokens=max_tokens)
     rendered = [engines[0].tokenizer.apply_chat_template([{"role": "user", "content": p}])
                 for p in prompts]
-    steps = [llm.generate_stepwise(rendered, params) for llm in engines]
-    seconds, last = [0.0, 0.0], [[], []]
-    running, turn = [0, 1], 0
-    while running:
-        for i in (running if turn % 2 == 0 else running[::-1]):
-            start = time.perf_counter()
-            got = next(steps[i], None)
-            seconds[i] += time.perf_counter() - start
-            if got is None:
-                running.remove(i)
-            else:
-                last[i] = got
-        turn += 1
+    seconds, last = run_side_by_side(engines, rendered, SamplingParams(max_tokens=max_tokens))
     off, on = (record(llm, c, b, out, s) for llm, c, b, out, s in
                zip(engines, configs, befores, last, seconds, strict=True))
     return off, on

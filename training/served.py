@@ -1,70 +1,91 @@
 """The served figure of a trained head: what a user will see when serving with it.
 
 The held-out instructions (the benchmarks' held-out workload) go through the engine
-one at a time, greedy, at the engine's own dtype, with speculation off and with the
-new head at fixed K, in alternation (this machine's speed drifts, so each ratio pairs
-runs made side by side). Every speculative output must equal speculation off's: a
-head that changed an output would be a bug, and the figure says so.
+one at a time, greedy, at the engine's own dtype, three engines stepped side by side
+(engine/stepwise.py; this machine's speed drifts by tens of percent over seconds, so
+each ratio pairs steps made ~50 ms apart): speculation off, the new head at fixed K
+(the acceptance per position: every request drafts all K), and the new head under
+the engine's default draft policy with K its most (the tok/s a user gets who only
+names the method). Every speculative output must equal speculation off's: a head that
+changed an output would be a bug, and the figure says so.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 from engine.llm import LLM
+from engine.stepwise import run_side_by_side
 from runner.models.llama import LlamaForCausalLM
 from scheduler import SamplingParams
+from spec_decode import SpeculativeConfig
 from training.prompts import instructions
 
 
-def _run(model: LlamaForCausalLM, spec: dict[str, Any] | None, chats: list, max_tokens: int
-         ) -> dict[str, Any]:
+def _engine(model: LlamaForCausalLM, spec: dict[str, Any] | None) -> LLM:
     llm = LLM(loaded_model=model, speculative_config=spec, max_num_seqs=1,
               max_num_batched_tokens=256, max_model_len=1024)
     llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    before = llm.get_metrics()["spec_decode"]
-    start = time.perf_counter()
-    outs = llm.chat(chats, SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                    use_tqdm=False)
-    seconds = time.perf_counter() - start
-    after = llm.get_metrics()["spec_decode"]
-    llm.close()
+    return llm
 
+
+def _spec_counts(before: dict[str, Any], after: dict[str, Any]
+                 ) -> tuple[list[int], list[int], int]:
+    """Drafts made and accepted per position, and drafts, between two metric reads."""
     def per_position(name: str) -> list[int]:
         was, now = before[name], after[name]
         return [(now[i] if i < len(now) else 0) - (was[i] if i < len(was) else 0)
                 for i in range(max(len(now), 1))]
 
-    drafted, accepted = (per_position("num_draft_tokens_per_pos"),
-                         per_position("num_accepted_tokens_per_pos"))
-    drafts = after["num_drafts"] - before["num_drafts"]
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    return {"tokens_per_s": sum(map(len, tokens)) / seconds, "outputs": tokens,
-            "drafted": drafted, "accepted": accepted, "drafts": drafts}
+    return (per_position("num_draft_tokens_per_pos"),
+            per_position("num_accepted_tokens_per_pos"),
+            after["num_drafts"] - before["num_drafts"])
+
+
+def _round(model: LlamaForCausalLM, specs: list[dict[str, Any] | None], prompts: list[str],
+           max_tokens: int) -> list[dict[str, Any]]:
+    """One side-by-side run of each configuration: tok/s, outputs, spec counts."""
+    engines = [_engine(model, spec) for spec in specs]
+    rendered = [engines[0].tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                for p in prompts]
+    befores = [llm.get_metrics()["spec_decode"] for llm in engines]
+    seconds, outs = run_side_by_side(
+        engines, rendered, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    runs = []
+    for llm, before, took, got in zip(engines, befores, seconds, outs, strict=True):
+        drafted, accepted, drafts = _spec_counts(before, llm.get_metrics()["spec_decode"])
+        llm.close()
+        tokens = [list(o.outputs[0].token_ids) for o in got]
+        runs.append({"tokens_per_s": sum(map(len, tokens)) / took, "outputs": tokens,
+                     "drafted": drafted, "accepted": accepted, "drafts": drafts})
+    return runs
 
 
 def served_figures(model: LlamaForCausalLM, head_dir: Path, method: str, k: int,
                    num_prompts: int = 12, max_tokens: int = 64, rounds: int = 2
                    ) -> dict[str, Any]:
-    """Acceptance per position, mean acceptance length and output
-    tok/s against speculation off at concurrency 1, on `num_prompts` held-out
-    instructions, `rounds` alternating pairs of runs (medians)."""
-    chats = [[{"role": "user", "content": p}] for p in instructions("eval")[:num_prompts]]
-    spec = {"method": method, "model": str(head_dir), "num_speculative_tokens": k,
-            "draft_policy": "fixed"}
-    off, on = [], []
-    for _ in range(rounds):
-        off.append(_run(model, None, chats, max_tokens))
-        on.append(_run(model, spec, chats, max_tokens))
+    """Acceptance per position and mean acceptance length at fixed K, and output tok/s
+    against speculation off at concurrency 1 at fixed K and under the default draft
+    policy, on `num_prompts` held-out instructions, `rounds` side-by-side runs
+    (medians)."""
+    prompts = instructions("eval")[:num_prompts]
+    spec = {"method": method, "model": str(head_dir), "num_speculative_tokens": k}
+    default_policy = SpeculativeConfig.draft_policy
+    specs = [None, {**spec, "draft_policy": "fixed"}, {**spec, "draft_policy": default_policy}]
+    off, on, default = (list(runs) for runs in zip(
+        *(_round(model, specs, prompts, max_tokens) for _ in range(rounds)), strict=True))
     drafted = [sum(r["drafted"][i] for r in on if i < len(r["drafted"])) for i in range(k)]
     accepted = [sum(r["accepted"][i] for r in on if i < len(r["accepted"])) for i in range(k)]
     drafts = sum(r["drafts"] for r in on)
-    ratios = [b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(off, on, strict=True)]
+
+    def speedup(runs: list[dict[str, Any]]) -> float:
+        return round(statistics.median(b["tokens_per_s"] / a["tokens_per_s"]
+                                       for a, b in zip(off, runs, strict=True)), 3)
+
     return {
-        "k": k, "prompts": len(chats), "max_tokens": max_tokens, "rounds": rounds,
+        "k": k, "prompts": len(prompts), "max_tokens": max_tokens, "rounds": rounds,
         # vLLM's figure: of the drafts made at position i, the share accepted.
         "acceptance_per_position": [round(a / d, 4) if d else None
                                     for a, d in zip(accepted, drafted, strict=True)],
@@ -72,6 +93,11 @@ def served_figures(model: LlamaForCausalLM, head_dir: Path, method: str, k: int,
         "draft_tokens": sum(drafted),
         "tokens_per_s_off": round(statistics.median(r["tokens_per_s"] for r in off), 2),
         "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in on), 2),
-        "speedup_vs_off": round(statistics.median(ratios), 3),
-        "lossless": all(r["outputs"] == off[0]["outputs"] for r in off + on),
+        "speedup_vs_off": speedup(on),
+        # The same head under the engine's default policy, K its most.
+        "default_policy": default_policy,
+        "tokens_per_s_default_policy": round(statistics.median(
+            r["tokens_per_s"] for r in default), 2),
+        "speedup_vs_off_default_policy": speedup(default),
+        "lossless": all(r["outputs"] == off[0]["outputs"] for r in off + on + default),
     }

@@ -161,6 +161,9 @@ def test_train_drafter_command_writes_a_head_that_serves(tmp_path: Path,
     served = metrics["served"]  # the head served on a held-out instruction
     assert served["lossless"] and served["draft_tokens"] > 0
     assert len(served["acceptance_per_position"]) == 2 and served["speedup_vs_off"] > 0
+    # ... and the tok/s a user gets who only names the method (the default policy).
+    assert served["default_policy"] == "goodput"
+    assert served["speedup_vs_off_default_policy"] > 0
     assert len(metrics["held_out_agreement_per_step"]) == 2
     assert metrics["expected_acceptance_length"] >= 1
     config = json.loads((out / "config.json").read_text())
