@@ -47,20 +47,24 @@ def _spec_counts(before: dict[str, Any], after: dict[str, Any]
 def _round(model: LlamaForCausalLM, specs: list[dict[str, Any] | None], prompts: list[str],
            max_tokens: int) -> list[dict[str, Any]]:
     """One side-by-side run of each configuration: tok/s, outputs, spec counts."""
-    engines = [_engine(model, spec) for spec in specs]
-    rendered = [engines[0].tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                for p in prompts]
-    befores = [llm.get_metrics()["spec_decode"] for llm in engines]
-    seconds, outs = run_side_by_side(
-        engines, rendered, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    runs = []
-    for llm, before, took, got in zip(engines, befores, seconds, outs, strict=True):
-        drafted, accepted, drafts = _spec_counts(before, llm.get_metrics()["spec_decode"])
-        llm.close()
-        tokens = [list(o.outputs[0].token_ids) for o in got]
-        runs.append({"tokens_per_s": sum(map(len, tokens)) / took, "outputs": tokens,
-                     "drafted": drafted, "accepted": accepted, "drafts": drafts})
-    return runs
+    engines: list[LLM] = []
+    try:
+        engines.extend(_engine(model, spec) for spec in specs)
+        rendered = [engines[0].tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                    for p in prompts]
+        befores = [llm.get_metrics()["spec_decode"] for llm in engines]
+        seconds, outs = run_side_by_side(
+            engines, rendered, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        runs = []
+        for llm, before, took, got in zip(engines, befores, seconds, outs, strict=True):
+            drafted, accepted, drafts = _spec_counts(before, llm.get_metrics()["spec_decode"])
+            tokens = [list(o.outputs[0].token_ids) for o in got]
+            runs.append({"tokens_per_s": sum(map(len, tokens)) / took, "outputs": tokens,
+                         "drafted": drafted, "accepted": accepted, "drafts": drafts})
+        return runs
+    finally:  # closed whatever failed: three engines' caches are not left behind
+        for llm in engines:
+            llm.close()
 
 
 def served_figures(model: LlamaForCausalLM, head_dir: Path, method: str, k: int,
