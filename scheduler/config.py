@@ -151,6 +151,11 @@ class GoodputSettings:
     # simulated: 1.48 ms kept against 1.35 ms not; at 1,024, 5.96 against 4.72); a
     # decision is also a small share of a step that long.
     reuse_max_running: int = 32
+    # Prefixes of the sorted drafts a decision prices one by one at most; past it, a
+    # grid of about as many and then the prefixes near its best (scheduler/
+    # prefix_search.py): pricing all 4,097 at 1,024 running, K = 4, was most of a
+    # decision. 256 prices every prefix up to 64 running at K = 4.
+    exhaustive_prefixes: int = 256
 
     def __post_init__(self) -> None:
         values = self._prior_values()
@@ -173,6 +178,9 @@ class GoodputSettings:
         if not 0.0 < self.spread_decay <= 1.0:
             raise ValueError(f"GoodputSettings.spread_decay must be in (0, 1], "
                              f"got {self.spread_decay!r}")
+        if self.exhaustive_prefixes < 2:
+            raise ValueError(f"GoodputSettings.exhaustive_prefixes must be >= 2 (a grid "
+                             f"needs two points), got {self.exhaustive_prefixes!r}")
 
     def _prior_values(self) -> tuple[float, ...]:
         prior = self.prior_acceptance

@@ -45,6 +45,7 @@ from scheduler.budget import ThrottleRule
 from scheduler.config import GoodputSettings
 from scheduler.finish_plan import finish_caps
 from scheduler.kept_choice import KeptChoice
+from scheduler.prefix_search import PrefixSearch, SortedDrafts
 from scheduler.request import FRESH, NUM_OUTCOMES
 from scheduler.step_cost import DraftCosts, StepTimeModel
 
@@ -63,6 +64,8 @@ class GoodputPolicy:
         self.acceptance = AcceptanceEstimates(rule.max_k, self.settings, kind)
         self.check = ForecastCheck(self.settings)
         self.time_model = time_model or StepTimeModel(kind, self.settings)
+        self.search = PrefixSearch(self.costs, self.time_model, max_num_batched_tokens,
+                                   self.settings.exhaustive_prefixes)
         self.new_request_cap = rule.max_k  # for requests admitted this step
         # ... and without optimism, for those past the step's explorer slots.
         self.earned_request_cap = rule.max_k
@@ -302,60 +305,29 @@ class GoodputPolicy:
 
     def _threshold(self, gains: np.ndarray, num_sampling: int,
                    catch_up: np.ndarray) -> tuple[float, float, int]:
-        """The smallest gain worth a draft and the deepest draft allowed: the best of
-        `_best_prefix` over all drafts and, for a sequential drafter, over the drafts
-        of each depth d < K alone (those with index < d). Its every draft past a
+        """The smallest gain worth a draft and the deepest draft allowed: the best
+        prefix (scheduler/prefix_search.py) over all drafts and, for a sequential
+        drafter, over the drafts of each depth d < K alone (those with index < d; the
+        drafts are sorted once for every depth). Its every draft past a
         request's first adds a one-row pass for the whole step, and sorted by gain one
         request's second draft may come before another's first; then every prefix that
         drafts for all pays that pass, and the best was to draft one or two requests
         (measured: eagle at 4 running, goodput's steps cost fixed K = 2's and made
         fixed K = 1's tokens; this alone did not close that gap, README). Also, where
-        no draft is worth it at any depth, by how much the best prefix falls short
-        (`_best_prefix`)."""
+        no draft is worth it at any depth, by how much the best prefix falls short."""
         depths = range(1, self.max_k + 1) if self.costs.sequential else (self.max_k,)
+        drafts = SortedDrafts.of(gains)
         best_rate, best, shortfall = -np.inf, (np.inf, self.max_k), np.inf
         for depth in depths:
-            rate, threshold, margin = self._best_prefix(gains[:, :depth], num_sampling,
-                                                        catch_up)
+            rate, threshold, margin = self.search.best(
+                drafts.below_depth(depth) if depth < self.max_k else drafts,
+                num_sampling, catch_up)
             if threshold < np.inf and rate > best_rate:
                 best_rate, best = rate, (threshold, depth)
             shortfall = min(shortfall, margin)
         if best_rate > -np.inf:
             return best[0], 0.0, best[1]
         return np.inf, (shortfall if shortfall < np.inf else 0.0), self.max_k
-
-    def _best_prefix(self, gains: np.ndarray, num_sampling: int,
-                     catch_up: np.ndarray) -> tuple[float, float, float]:
-        """Drafts sorted by gain, the prefix that maximises (tokens) / (predicted
-        seconds), within B rows of the target pass: its rate, and its smallest gain
-        (inf where no prefix beats drafting nothing). A request's first draft also
-        brings the rows its parked drafter catches up. Also, where no draft is worth
-        it, by how much the best prefix falls short (its tokens per second under those
-        without drafts, as a share; 0 where drafts win or none fits)."""
-        k = gains.shape[1]
-        flat = gains.ravel()
-        order = np.argsort(-flat, kind="stable")
-        g = flat[order]
-        j = order % k  # the draft's index in its request (0: the first draft)
-        target = num_sampling + np.cumsum(self.costs.target[j])
-        base = num_sampling * self.costs.drafter_base
-        added = self.costs.drafter[j] + np.where(j == 0, catch_up[order // k], 0)
-        drafter = np.concatenate([[base], base + np.cumsum(added)])
-        # Every verification row gives logits, so the target rows here are logit rows.
-        rows = np.concatenate([[num_sampling], target])
-        seconds = self.time_model.predict_optimistic(rows, rows, drafter,
-                                                     self.costs.passes(num_sampling, j))
-        # A misfit that predicts less time for more rows must not reward drafting.
-        seconds = np.maximum.accumulate(seconds)
-        tokens = num_sampling + np.concatenate([[0.0], np.cumsum(g)])
-        rate = tokens / seconds
-        fits = np.concatenate([[True], (target <= self.budget) & (g > 0)])
-        rate[~fits] = -np.inf
-        best = int(np.argmax(rate))
-        if best > 0:
-            return float(rate[best]), float(g[best - 1]), 0.0
-        runner_up = float(rate[1:].max(initial=-np.inf))
-        return float(rate[0]), np.inf, (1.0 - runner_up / rate[0] if runner_up > 0 else 0.0)
 
     def observe_finished(self, verifications: list[int], first_accepted: int) -> None:
         """A request left the batch: how its own acceptance strayed from its states'
