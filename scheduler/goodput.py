@@ -80,6 +80,10 @@ class GoodputPolicy:
         # and the steps since it was made.
         self._kept: KeptChoice | None = None
         self._kept_steps = 0
+        # Past `reuse_max_running` running: the last search's (threshold, depth, the
+        # time model's fit count then) and the steps it has served (`_searched`).
+        self._kept_threshold: tuple[float, int, int] | None = None
+        self._threshold_steps = 0
 
     def caps(self, verifications: np.ndarray, first_accepted: np.ndarray,
              states: np.ndarray, rule_k: np.ndarray,
@@ -114,6 +118,7 @@ class GoodputPolicy:
         limit = np.concatenate([rule_k, [self.max_k]])
         catch_up = np.zeros(num, dtype=np.int64) if behind is None else behind
         if planned and remaining is not None:
+            self._kept_threshold = None
             # A plan drafts every request alike or not at all, so optimism there would
             # try drafts on the whole batch at once: at the mean, at the method's K.
             gains = self._gains(own)
@@ -128,7 +133,7 @@ class GoodputPolicy:
                                                 produced)
         else:
             gains = self._gains(own + bonus[:, None], limit)
-            threshold, margin, depth = self._threshold(gains[:num], max(num, 1), catch_up)
+            threshold, margin, depth = self._searched(gains[:num], num, catch_up)
             gains[:, depth:] = 0.0
             limit = np.minimum(limit, depth)
             caps = (gains >= threshold).sum(axis=1)
@@ -280,7 +285,7 @@ class GoodputPolicy:
         """This step's caps while `holding`: nobody drafts."""
         self._idle_steps -= 1
         self._held = True
-        self._kept = None
+        self._kept = self._kept_threshold = None
         self.new_request_cap = self.earned_request_cap = 0
         self.check.expect(0.0, 0)
         return np.zeros(self._idle_num, dtype=np.int64)
@@ -302,6 +307,31 @@ class GoodputPolicy:
         # Nobody joins a closed batch; a request preempted back into it waits, so the
         # next step plans per step again.
         return np.append(plan, plan.max())
+
+    def _searched(self, gains: np.ndarray, num: int,
+                  catch_up: np.ndarray) -> tuple[float, float, int]:
+        """`_threshold`'s (threshold, margin, depth), or past `reuse_max_running`
+        running the last one's, for `reuse_steps` steps in all and while
+        the time model's fit it priced with stands (a young fit is refitted every
+        step): each request's cap still comes from its own gains this step, held to
+        the kept smallest gain worth a draft. That threshold is the price of a draft
+        against the whole step, and with hundreds running one step moves it little;
+        the search is most of a decision there (eagle at 256 running searches four
+        depths of 256-1,024 drafts, measured by `benchmarks/goodput_cost.py`, README)."""
+        settings = self.settings
+        kept, fit = self._kept_threshold, self.time_model.refits
+        if (kept is not None and num > settings.reuse_max_running and kept[2] == fit
+                and self._threshold_steps < settings.reuse_steps):
+            self._threshold_steps += 1
+            return kept[0], 0.0, kept[1]
+        threshold, margin, depth = self._threshold(gains, max(num, 1), catch_up)
+        # The fit as the search left it (a search may refit first). A search that
+        # drafts nothing is kept too (its threshold inf: caps 0), where its margin is
+        # too small to hold it (`holding`).
+        large = num > settings.reuse_max_running
+        self._kept_threshold = (threshold, depth, self.time_model.refits) if large else None
+        self._threshold_steps = 1
+        return threshold, margin, depth
 
     def _threshold(self, gains: np.ndarray, num_sampling: int,
                    catch_up: np.ndarray) -> tuple[float, float, int]:

@@ -146,6 +146,7 @@ class StepTimeModel:
         self.optimism = settings.optimism
         self.optimism_floor = settings.optimism_floor
         self.num_observed = 0
+        self.refits = 0  # fits made so far: a decision kept is priced by the current one
 
     @staticmethod
     def features(target: np.ndarray, logits: np.ndarray, drafter: np.ndarray,
@@ -219,6 +220,7 @@ class StepTimeModel:
         self._fit_cov = self.cov
         self._theta = self._fit(self._fit_cov, self.prior_precision + self.gram,
                                 self._prior_moment + self.moment)
+        self.refits += 1
 
     def predict_optimistic(self, target: np.ndarray, logits: np.ndarray,
                            drafter: np.ndarray, passes: np.ndarray) -> np.ndarray:

@@ -187,4 +187,71 @@ def test_nothing_is_kept_past_the_running_bound(monkeypatch: pytest.MonkeyPatch)
     gp = runs_policy(reuse_steps=4)
     gp.settings = dataclasses.replace(gp.settings, reuse_max_running=1)
     made = decisions(gp, monkeypatch)
-    assert accepting_steps(gp, made, 3)[-1] == 3
+    verifications, produced = history([50, 50]), [40, 40]
+    for steps in range(1, 4):
+        step(gp, verifications, [ALL_ACCEPTED] * 2, produced)
+        assert made[0] == steps and gp._kept is None  # no caps per state built
+        verifications = verified(verifications, [0, 1], ALL_ACCEPTED)
+        produced = [p + K + 1 for p in produced]
+
+
+def searches(gp: GoodputPolicy, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the prefix searches `gp` makes (`_threshold`)."""
+    made = [0]
+    search = gp._threshold
+
+    def counted(*args: object) -> tuple[float, float, int]:
+        made[0] += 1
+        return search(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gp, "_threshold", counted)
+    return made
+
+
+def large_step(gp: GoodputPolicy, states: np.ndarray) -> np.ndarray:
+    """Caps of 64 running requests in `states`, each with 40 verifications from FRESH."""
+    num = len(states)
+    return gp.caps(history([40] * num), np.full(num, 20), states, np.full(num, K))
+
+
+def test_past_reuse_max_running_a_search_is_kept_while_its_fit_stands(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With 64 running the smallest gain worth a draft is searched once and held for
+    `reuse_steps` steps while the time model is not refitted; each request's cap still
+    comes from its own gains against it (a request whose state turned to rejecting
+    drafts less on a kept step, exactly as a new search with the same threshold gives);
+    a refit or `reuse_steps` steps force a new search; 32 running search every step."""
+    kept, fresh = runs_policy(reuse_steps=4), runs_policy(reuse_steps=1)
+    made = searches(kept, monkeypatch)
+    accepting = np.full(64, ALL_ACCEPTED)
+    first = large_step(kept, accepting)
+    assert (first == large_step(fresh, accepting)).all() and first.sum() > 0
+    threshold = kept._kept_threshold
+    assert made[0] == 1 and threshold is not None
+    mixed = accepting.copy()
+    mixed[:8] = NONE_ACCEPTED
+    got = large_step(kept, mixed)
+    assert made[0] == 1  # kept: no search
+    monkeypatch.setattr(fresh, "_threshold", lambda *a: (threshold[0], 0.0, threshold[1]))
+    assert (got == large_step(fresh, mixed)).all()
+    assert got[:8].sum() < got[8:16].sum()  # the rejecting eight, against eight others
+    large_step(kept, mixed)
+    large_step(kept, mixed)
+    assert made[0] == 1  # four steps in all on one search
+    large_step(kept, mixed)
+    assert made[0] == 2  # reuse_steps passed
+    kept.time_model.refits += 1  # as a refit leaves it
+    large_step(kept, mixed)
+    assert made[0] == 3
+    for _ in range(3):
+        large_step(kept, np.full(32, ALL_ACCEPTED))
+    assert made[0] == 6 and kept._kept_threshold is None
+
+
+def test_without_reuse_every_large_step_searches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`reuse_steps=1` keeps nothing at any size: the check above is not vacuous."""
+    gp = runs_policy(reuse_steps=1)
+    made = searches(gp, monkeypatch)
+    for _ in range(3):
+        large_step(gp, np.full(64, ALL_ACCEPTED))
+    assert made[0] == 3
