@@ -148,8 +148,11 @@ class GoodputSettings:
     # ... while at most this many run: past it a request finishes or joins nearly every
     # step, so a kept choice is rarely looked up, and working out every request's cap
     # per state cost more than it saved (the scheduler's step at 256 running, ngram,
-    # simulated: 1.48 ms kept against 1.35 ms not; at 1,024, 5.96 against 4.72); a
-    # decision is also a small share of a step that long.
+    # simulated: 1.48 ms kept against 1.35 ms not; at 1,024, 5.96 against 4.72). Past
+    # it, only the search's threshold is kept for `reuse_steps` steps instead, each
+    # request capped by its own gains against it (`GoodputPolicy._searched`): with
+    # this many running the threshold is a price, where with two it was one request's
+    # gain and cut an accepting pair from K to 2 a step later.
     reuse_max_running: int = 32
     # Prefixes of the sorted drafts a decision prices one by one at most; past it, a
     # grid of about as many and then the prefixes near its best (scheduler/
