@@ -14,7 +14,7 @@ The rate along the prefixes is smooth at that size (a draft adds a thousandth of
 step's rows), but the optimistic price may peak a few drafts past a jump, and the
 running maximum that keeps a misfit from rewarding drafts carries such a peak on;
 `tests/scheduler/test_prefix_search.py` checks the rate of the grid's choice against
-the best prefix's, and that a grid without the first run and the refinement misses.
+the best prefix's, and that a grid without those runs and the refinement misses.
 """
 
 from __future__ import annotations

@@ -125,8 +125,9 @@ def test_past_exhaustive_the_grid_finds_the_best_prefixs_rate(method: str) -> No
 
 def test_the_grid_check_fails_a_grid_that_is_not_refined(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The check above is real: pricing only every m-th prefix (no first run priced one
-    by one, no refinement around the best) misses by more than it allows."""
+    """The check above is real: pricing only every m-th prefix (no runs priced one by
+    one from the start and at each new drafter pass, no refinement around the best)
+    misses by more than it allows."""
     def coarse(self: PrefixSearch, prefix: Prefixes) -> tuple[np.ndarray, np.ndarray]:
         n = len(prefix.rows) - 1
         step = -(-(n + 1) // self.exhaustive)
