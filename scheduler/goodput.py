@@ -45,7 +45,7 @@ from scheduler.budget import ThrottleRule
 from scheduler.config import GoodputSettings
 from scheduler.finish_plan import finish_caps
 from scheduler.kept_choice import KeptChoice
-from scheduler.prefix_search import PrefixSearch, SortedDrafts
+from scheduler.prefix_search import Best, PrefixSearch, SortedDrafts
 from scheduler.request import FRESH, NUM_OUTCOMES
 from scheduler.step_cost import DraftCosts, StepTimeModel
 
@@ -133,7 +133,7 @@ class GoodputPolicy:
                                                 produced)
         else:
             gains = self._gains(own + bonus[:, None], limit)
-            threshold, margin, depth = self._searched(gains[:num], num, catch_up)
+            threshold, price, margin, depth = self._searched(gains[:num], num, catch_up)
             gains[:, depth:] = 0.0
             limit = np.minimum(limit, depth)
             caps = (gains >= threshold).sum(axis=1)
@@ -147,7 +147,7 @@ class GoodputPolicy:
             self._keep(margin if eligible else 0.0, num, planned=False,
                        at_least=self.settings.reuse_steps - 1
                        if eligible and self.time_model.settled else 0)
-            self._keep_choice(caps[:num], gains[:num], threshold, verifications,
+            self._keep_choice(caps[:num], gains[:num], price, verifications,
                               first_accepted, produced, bonus[:num] * explorers, depth)
             # The forecast the check holds to account is the estimates' own, without
             # the optimism that chose explorers: the optimism is a bet, not a forecast,
@@ -177,14 +177,15 @@ class GoodputPolicy:
         self.check.expect(forecast, int(caps.sum()))
         return caps
 
-    def _keep_choice(self, caps: np.ndarray, gains: np.ndarray, threshold: float,
+    def _keep_choice(self, caps: np.ndarray, gains: np.ndarray, price: float,
                      verifications: np.ndarray, first_accepted: np.ndarray,
                      produced: np.ndarray | None, bonus: np.ndarray, depth: int) -> None:
         """Keep a decision that drafts for the next steps, with each request's cap for
         every state its next verification may leave (its optimism only if it explores
-        now), never past the decision's `depth`; a verification resets what it made
-        unverified. Not while the time model is young: its first steps move it most
-        (the first drafting steps may show rows to be nearly free)."""
+        now) against the decision's `price` of a draft (scheduler/prefix_search.py),
+        never past its `depth`; a verification resets what it made unverified. Not
+        while the time model is young: its first steps move it most (the first
+        drafting steps may show rows to be nearly free)."""
         self._kept, self._kept_steps = None, 1
         if not self._may_keep(caps, produced):
             return
@@ -197,7 +198,7 @@ class GoodputPolicy:
             unverified=np.zeros(len(each), dtype=np.int64), produced=produced[each])
         by_state = self._gains(own + bonus[each, None]).reshape(num, NUM_OUTCOMES, -1)
         by_state[..., depth:] = 0.0  # the decision's deepest draft holds in every state
-        self._kept = KeptChoice.of(caps, gains, by_state, threshold, verifications, produced)
+        self._kept = KeptChoice.of(caps, gains, by_state, price, verifications, produced)
 
     def _may_keep(self, caps: np.ndarray, produced: np.ndarray | None) -> bool:
         """Whether a decision with these caps is kept for the next steps: one that
@@ -309,36 +310,37 @@ class GoodputPolicy:
         return np.append(plan, plan.max())
 
     def _searched(self, gains: np.ndarray, num: int,
-                  catch_up: np.ndarray) -> tuple[float, float, int]:
-        """`_threshold`'s (threshold, margin, depth), or past `reuse_max_running`
-        running the last one's, for `reuse_steps` steps in all and while
-        the time model's fit it priced with stands (a young fit is refitted every
-        step): each request's cap still comes from its own gains this step, held to
-        the kept smallest gain worth a draft. That threshold is the price of a draft
-        against the whole step, and with hundreds running one step moves it little;
-        the search is most of a decision there (eagle at 256 running searches four
-        depths of 256-1,024 drafts, measured by `benchmarks/goodput_cost.py`, README)."""
+                  catch_up: np.ndarray) -> tuple[float, float, float, int]:
+        """`_threshold`'s (threshold, price, margin, depth), or past `reuse_max_running`
+        running the last one's price as the threshold, for `reuse_steps` steps in all
+        and while the time model's fit it priced with stands (a young fit is refitted
+        every step): each request's cap still comes from its own gains this step, held
+        to the kept price of a draft. With hundreds running one step moves that price
+        little, and the search is most of a decision there (eagle at 256 running
+        searches four depths of 256-1,024 drafts, measured by
+        `benchmarks/goodput_cost.py`, README)."""
         settings = self.settings
         kept, fit = self._kept_threshold, self.time_model.refits
         if (kept is not None and num > settings.reuse_max_running and kept[2] == fit
                 and self._threshold_steps < settings.reuse_steps):
             self._threshold_steps += 1
-            return kept[0], 0.0, kept[1]
-        threshold, margin, depth = self._threshold(gains, max(num, 1), catch_up)
+            return kept[0], kept[0], 0.0, kept[1]
+        threshold, price, margin, depth = self._threshold(gains, max(num, 1), catch_up)
         # The fit as the search left it (a search may refit first). A search that
-        # drafts nothing is kept too (its threshold inf: caps 0), where its margin is
+        # drafts nothing is kept too (its price inf: caps 0), where its margin is
         # too small to hold it (`holding`).
         large = num > settings.reuse_max_running
-        self._kept_threshold = (threshold, depth, self.time_model.refits) if large else None
+        self._kept_threshold = (price, depth, self.time_model.refits) if large else None
         self._threshold_steps = 1
-        return threshold, margin, depth
+        return threshold, price, margin, depth
 
     def _threshold(self, gains: np.ndarray, num_sampling: int,
-                   catch_up: np.ndarray) -> tuple[float, float, int]:
-        """The smallest gain worth a draft and the deepest draft allowed: the best
-        prefix (scheduler/prefix_search.py) over all drafts and, for a sequential
-        drafter, over the drafts of each depth d < K alone (those with index < d; the
-        drafts are sorted once for every depth). Its every draft past a
+                   catch_up: np.ndarray) -> tuple[float, float, float, int]:
+        """The smallest gain worth a draft, the price of a draft there
+        (scheduler/prefix_search.py) and the deepest draft allowed: the best prefix
+        over all drafts and, for a sequential drafter, over the drafts of each depth
+        d < K alone (those with index < d; the drafts are sorted once for every
+        depth). Its every draft past a
         request's first adds a one-row pass for the whole step, and sorted by gain one
         request's second draft may come before another's first; then every prefix that
         drafts for all pays that pass, and the best was to draft one or two requests
@@ -347,17 +349,17 @@ class GoodputPolicy:
         no draft is worth it at any depth, by how much the best prefix falls short."""
         depths = range(1, self.max_k + 1) if self.costs.sequential else (self.max_k,)
         drafts = SortedDrafts.of(gains)
-        best_rate, best, shortfall = -np.inf, (np.inf, self.max_k), np.inf
+        best: Best | None = None
+        best_depth, shortfall = self.max_k, np.inf
         for depth in depths:
-            rate, threshold, margin = self.search.best(
-                drafts.below_depth(depth) if depth < self.max_k else drafts,
-                num_sampling, catch_up)
-            if threshold < np.inf and rate > best_rate:
-                best_rate, best = rate, (threshold, depth)
-            shortfall = min(shortfall, margin)
-        if best_rate > -np.inf:
-            return best[0], 0.0, best[1]
-        return np.inf, (shortfall if shortfall < np.inf else 0.0), self.max_k
+            got = self.search.best(drafts.below_depth(depth) if depth < self.max_k
+                                   else drafts, num_sampling, catch_up)
+            if got.threshold < np.inf and (best is None or got.rate > best.rate):
+                best, best_depth = got, depth
+            shortfall = min(shortfall, got.margin)
+        if best is not None:
+            return best.threshold, best.price, 0.0, best_depth
+        return np.inf, np.inf, (shortfall if shortfall < np.inf else 0.0), self.max_k
 
     def observe_finished(self, verifications: list[int], first_accepted: int) -> None:
         """A request left the batch: how its own acceptance strayed from its states'

@@ -20,6 +20,7 @@ the best prefix's, and that a grid without those runs and the refinement misses.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -49,6 +50,43 @@ class SortedDrafts:
         return SortedDrafts(self.gain[keep], self.index[keep], self.request[keep])
 
 
+class Best(NamedTuple):
+    """`PrefixSearch.best`: the best prefix's rate, its smallest gain (inf where no
+    prefix beats drafting nothing), by how much drafting falls short where none is
+    worth it (else 0), and the price of a draft there (`price`)."""
+
+    rate: float
+    threshold: float
+    margin: float
+    price: float
+
+
+def price(tokens: np.ndarray, at: np.ndarray, rate: np.ndarray, best: int,
+          threshold: float) -> float:
+    """The gain a draft needs to pay at the best prefix (`at[best]`, `threshold` its
+    smallest gain): what the next draft in order would have to gain for the step with
+    it to run at the best rate, never below that draft's own gain (it did not pay);
+    where no next prefix fits or was priced, what the last draft in had to gain to pay
+    against the prefix without it. Never above `threshold`, so the prefix's own drafts
+    pass it. A decision kept for later steps caps each request by this price, not by
+    the smallest gain in: at one request that gain is its own last draft's, and a
+    request whose next state rated that draft a little lower lost it on every kept
+    step (measured: parallel at one request, caps of 2 fell to 1 on kept steps while a
+    new decision drafted 2-3, README)."""
+    i = int(at[best])
+    if not np.isfinite(threshold):
+        return threshold
+    after, before = np.flatnonzero(at == i + 1), np.flatnonzero(at == i - 1)
+    if after.size:
+        seconds = tokens[i + 1] / rate[after[0]]
+        own = float(tokens[i + 1] - tokens[i])  # the next draft's gain
+        return min(max(float(rate[best] * seconds - tokens[i]), own), threshold)
+    if before.size:
+        seconds = tokens[i] / rate[best]
+        return min(max(float(rate[before[0]] * seconds - tokens[i - 1]), 0.0), threshold)
+    return threshold
+
+
 @dataclass(frozen=True)
 class PrefixSearch:
     """What a step costs and may hold: the search's fixed inputs for one policy."""
@@ -58,20 +96,22 @@ class PrefixSearch:
     budget: int  # B: the target pass's rows at most
     exhaustive: int  # prefixes priced one by one at most, past it a grid (module doc)
 
-    def best(self, drafts: SortedDrafts, num_sampling: int,
-             catch_up: np.ndarray) -> tuple[float, float, float]:
-        """The prefix that maximises (tokens) / (predicted seconds): its rate and its
-        smallest gain (inf where no prefix beats drafting nothing). Also, where no
-        draft is worth it, by how much the best prefix falls short (its tokens per
-        second under those without drafts, as a share; 0 where drafts win or none
-        fits)."""
+    def best(self, drafts: SortedDrafts, num_sampling: int, catch_up: np.ndarray) -> Best:
+        """The prefix that maximises (tokens) / (predicted seconds): its rate, its
+        smallest gain (inf where no prefix beats drafting nothing) and the price of a
+        draft there (`price`). Also, where no draft is worth it, by how much the best
+        prefix falls short (its tokens per second under those without drafts, as a
+        share; 0 where drafts win or none fits)."""
         prefixes = self.prefixes(drafts, num_sampling, catch_up)
         at, rate = self._search(prefixes)
         best = int(np.argmax(rate))
         if at[best] > 0:
-            return float(rate[best]), float(drafts.gain[at[best] - 1]), 0.0
+            smallest = float(drafts.gain[at[best] - 1])
+            return Best(float(rate[best]), smallest, 0.0,
+                        price(prefixes.tokens, at, rate, best, smallest))
         runner_up = float(rate[1:].max(initial=-np.inf))
-        return float(rate[0]), np.inf, (1.0 - runner_up / rate[0] if runner_up > 0 else 0.0)
+        return Best(float(rate[0]), np.inf,
+                    1.0 - runner_up / rate[0] if runner_up > 0 else 0.0, np.inf)
 
     def prefixes(self, drafts: SortedDrafts, num_sampling: int,
                  catch_up: np.ndarray) -> Prefixes:

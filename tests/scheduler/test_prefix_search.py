@@ -14,6 +14,7 @@ from scheduler.config import GoodputSettings
 from scheduler.prefix_search import Prefixes, PrefixSearch, SortedDrafts
 from scheduler.step_cost import DraftCosts, StepTimeModel
 from spec_decode.methods import get_method
+from tests.scheduler.test_goodput import policy
 
 K = 4
 METHODS = ("ngram", "eagle", "parallel", "dflash")
@@ -108,7 +109,7 @@ def grid_shortfall(found: PrefixSearch, num: int, seed: int) -> float:
     catch_up = np.zeros(num, dtype=np.int64)
     prefixes = found.prefixes(drafts, num, catch_up)
     rates, _ = prefixes.rates(found.time_model, np.arange(len(prefixes.rows)))
-    _, threshold, _ = found.best(drafts, num, catch_up)
+    threshold = found.best(drafts, num, catch_up).threshold
     chosen = int(np.count_nonzero(drafts.gain[:len(rates) - 1] >= threshold))
     return 1.0 - float(rates[chosen] / rates.max())
 
@@ -138,3 +139,42 @@ def test_the_grid_check_fails_a_grid_that_is_not_refined(
     worst = max(grid_shortfall(search(method, seed, steps=seed % 40 + 20), 1024, seed)
                 for method in METHODS for seed in range(12))
     assert worst >= 2e-3
+
+
+def price_bounds(found: PrefixSearch, num: int, seed: int) -> bool:
+    """Checks the best prefix's price of a draft for a batch of `num`: it lies between
+    the next draft's own gain (that draft did not pay) and the prefix's smallest gain
+    (its drafts pass it), and where strictly inside, a next draft gaining exactly the
+    price runs at the best rate. Whether it was strictly inside."""
+    drafts = SortedDrafts.of(batch(seed, num))
+    catch_up = np.zeros(num, dtype=np.int64)
+    best = found.best(drafts, num, catch_up)
+    prefixes = found.prefixes(drafts, num, catch_up)
+    _, seconds = prefixes.rates(found.time_model, np.arange(len(prefixes.rows)))
+    i = int(np.count_nonzero(drafts.gain[:len(seconds) - 1] >= best.threshold))
+    assert best.price <= best.threshold
+    if i + 1 >= len(seconds):
+        return False
+    assert best.price >= drafts.gain[i]
+    if not drafts.gain[i] < best.price < best.threshold:
+        return False
+    rate = (prefixes.tokens[i] + best.price) / seconds[i + 1]
+    assert rate == pytest.approx(best.rate, rel=1e-9)
+    return True
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_price_of_a_draft_lies_between_the_next_draft_and_the_last(method: str) -> None:
+    """On the noisy clocks above, for every method."""
+    for seed in range(12):
+        price_bounds(search(method, seed, steps=40), 12, seed)
+
+
+def test_the_price_of_a_draft_is_where_the_next_draft_breaks_even() -> None:
+    """On clean clocks where 2-16 requests draft part of their drafts, the price lies
+    strictly below the smallest gain in most batches (the check is not vacuous)."""
+    inside = 0
+    for row in (5e-5, 1e-4, 2e-4):
+        found = policy("ngram", 0.001, row, acceptance=0.5).search
+        inside += sum(price_bounds(found, (2, 6, 16)[seed % 3], seed) for seed in range(12))
+    assert inside >= 20
