@@ -131,20 +131,27 @@ def run_one(model: LlamaForCausalLM, method: str | None, prompts: list[str], k: 
     return record(llm, config, before, outs, time.perf_counter() - start)
 
 
-def run_pair(model: LlamaForCausalLM, config: Config, prompts: list[str], max_tokens: int,
-             concurrency: int, warm: Served | None = None) -> tuple[dict, dict]:
-    """Speculation off and `config` on the same prompts, stepped alternately, each
+def run_together(model: LlamaForCausalLM, configs: list[Config], prompts: list[str],
+                 max_tokens: int, concurrency: int,
+                 warm: Served | None = None) -> list[dict]:
+    """Each configuration's record for the same prompts, all stepped in turn, each
     timed by the sum of its own steps (engine/stepwise.py: separate runs a few seconds
-    apart differ by as much as the configurations here). Returns (off's record, the
-    configuration's)."""
-    configs = ((None, "off", config[2], None), config)
+    apart differ by as much as the configurations here)."""
     engines = [engine_for(model, c, concurrency, warm) for c in configs]
     befores = [llm.get_metrics() for llm in engines]
     rendered = [engines[0].tokenizer.apply_chat_template([{"role": "user", "content": p}])
                 for p in prompts]
     seconds, last = run_side_by_side(engines, rendered, SamplingParams(max_tokens=max_tokens))
-    off, on = (record(llm, c, b, out, s) for llm, c, b, out, s in
-               zip(engines, configs, befores, last, seconds, strict=True))
+    return [record(llm, c, b, out, s) for llm, c, b, out, s in
+            zip(engines, configs, befores, last, seconds, strict=True)]
+
+
+def run_pair(model: LlamaForCausalLM, config: Config, prompts: list[str], max_tokens: int,
+             concurrency: int, warm: Served | None = None) -> tuple[dict, dict]:
+    """Speculation off and `config` on the same prompts, stepped alternately
+    (`run_together`). Returns (off's record, the configuration's)."""
+    off, on = run_together(model, [(None, "off", config[2], None), config], prompts,
+                           max_tokens, concurrency, warm)
     return off, on
 
 
@@ -230,21 +237,29 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def run_passes(model: LlamaForCausalLM, configs: list[Config], batch: list[str],
                max_tokens: int, concurrency: int, repeats: int, warm: bool,
-               paired_steps: bool = False,
-               serve: Served | None = None) -> tuple[dict[int, list[dict]],
+               paired_steps: bool = False, serve: Served | None = None,
+               together: bool = False) -> tuple[dict[int, list[dict]],
                                                      dict[int, list[dict]]]:
     """Every configuration's runs, by its index, and the runs of speculation off each
     is compared with: round-robin over the configurations, `repeats` times, each pass
     starting elsewhere in the list (this machine's speed drifts within a pass too, so
     a fixed order favours whoever runs in its fast stretch). With `paired_steps`, each
     configuration runs step by step beside its own run of speculation off
-    (`run_pair`); otherwise every configuration is compared with the pass's one run of
-    off (configuration 0). With `warm`, a first pass, unmeasured, meets every shape
+    (`run_pair`); with `together`, every configuration, off included, runs step by
+    step beside all the others in each pass (`run_together`), so goodput against a
+    fixed K is paired too; otherwise every configuration is compared with the pass's
+    one run of off (configuration 0). With `warm`, a first pass, unmeasured, meets every shape
     once: oneDNN builds a kernel per new row count, so in a cold process whoever runs
     first would pay the building for everyone after it. `serve`: what each engine
     serves, unmeasured, before its measured run (`engine_for`)."""
     runs_of: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
     twins_of: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
+    if together:
+        for repeat in range(-1 if warm else 0, repeats):
+            records = run_together(model, configs, batch, max_tokens, concurrency, serve)
+            for i, run in enumerate(records if repeat >= 0 else []):
+                runs_of[i].append(run)
+        return runs_of, {i: runs_of[0] for i in range(len(configs))}
     measured = range(1, len(configs)) if paired_steps else range(len(configs))
     for repeat in range(-1 if warm else 0, repeats):
         for i in pass_order(len(configs), max(repeat, 0), repeats):
@@ -319,6 +334,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="run each configuration step by step beside its own run "
                              "of speculation off (tok/s ratios immune to the machine's "
                              "drift over seconds)")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="run every configuration, off included, step by step "
+                             "beside all the others in each pass: goodput against "
+                             "each fixed K is paired as well as each against off")
     parser.add_argument("--serve-first", action="store_true",
                         help="each engine first serves, unmeasured, as many training-split "
                              "instructions as the measured batch holds: the goodput "
@@ -363,7 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
             serve = served_first(len(batch), max_tokens) if args.serve_first else None
             runs_of, twins_of = run_passes(model, configs, batch, max_tokens, conc,
                                            args.repeats, args.warm_pass and not args.quick,
-                                           args.paired_steps, serve)
+                                           args.paired_steps, serve, args.side_by_side)
             rows += result_rows(configs, runs_of, twins_of, workload, conc)
     for row in rows:
         del row["outputs"]
@@ -371,6 +390,7 @@ def main(argv: list[str] | None = None) -> dict:
               "dtype": str(dtype).removeprefix("torch."),
               "num_speculative_tokens": args.k, "max_tokens": max_tokens,
               "quick": args.quick, "paired_steps": args.paired_steps,
+              "side_by_side": args.side_by_side,
               "served_first": args.serve_first, "results": rows,
               "policy_summary": summarize(rows)}
     write_report(out_path, report)

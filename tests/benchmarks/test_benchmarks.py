@@ -105,6 +105,28 @@ def test_spec_decode_paired_steps(tmp_path: Path) -> None:
 
 
 @pytest.mark.model
+def test_spec_decode_side_by_side_runs_every_configuration_in_each_pass(
+        tmp_path: Path) -> None:
+    """`--side-by-side`: off, goodput and two fixed K step together each pass: one run
+    of each per pass (off too), every one lossless against off, and each ratio against
+    the off of its own pass."""
+    from benchmarks import spec_decode
+
+    report = spec_decode.main(["--quick", "--methods", "ngram", "--workloads", "grounded",
+                               "--policies", "goodput,fixed", "--k-grid", "1,2",
+                               "--concurrency", "2", "--side-by-side", "--repeats", "2",
+                               "--out", str(tmp_path / "s.json")])
+    rows = report["results"]
+    assert report["side_by_side"] and len(rows) == 4
+    assert all(len(r["tokens_per_s_runs"]) == 2 for r in rows)  # off: one run a pass
+    assert all(r["lossless"] and r["steps"] > 0 for r in rows)
+    off = rows[0]["tokens_per_s_runs"]
+    for row in rows[1:]:
+        ratios = sorted(t / o for t, o in zip(row["tokens_per_s_runs"], off, strict=True))
+        assert row["speedup_vs_off"] == pytest.approx(sum(ratios) / 2, abs=1e-3)
+
+
+@pytest.mark.model
 def test_spec_decode_serve_first_measures_only_the_batch_after(tmp_path: Path) -> None:
     """With --serve-first each engine serves training-split instructions first, left
     out of every figure: off takes the measured batch's steps either way, and the
