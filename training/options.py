@@ -84,6 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the draft vocabulary (soft targets)")
     parser.add_argument("--noise", type=non_negative, default=0.05,
                         help="Gaussian noise on the fed features, times each row's RMS")
+    parser.add_argument("--weight-decay", type=non_negative, default=0.0,
+                        help="AdamW's decoupled weight decay")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="the target's dtype while generating data (default: what "
                              "the engine serves in)")

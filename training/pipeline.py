@@ -183,6 +183,7 @@ def run(args: argparse.Namespace) -> dict:
     train_config = TrainConfig(updates=args.updates, lr=args.lr,
                                depth=args.num_speculative_tokens,
                                seed=args.seed, method=args.method, noise=args.noise,
+                               weight_decay=args.weight_decay,
                                autocast_bf16=model.lm_head.weight.dtype == torch.bfloat16)
     # A checkpoint resumes only the run that wrote it: the same data, draft vocabulary,
     # loss and optimisation settings (another run's head maps its draft ids through
@@ -199,7 +200,8 @@ def run(args: argparse.Namespace) -> dict:
                "train_windows": len(splits["train"][0]),
                "eval_windows": len(splits["eval"][0]), "window": WINDOW,
                "updates": args.updates, "lr": args.lr, "seed": args.seed, "loss": args.loss,
-               "noise": args.noise, "draft_vocab_size": args.draft_vocab_size,
+               "noise": args.noise, "weight_decay": args.weight_decay,
+               "draft_vocab_size": args.draft_vocab_size,
                "data_answer_tokens": int((splits["train"][3] >= 0).sum()),
                "data_s": round(data_s, 1), "wall_s": round(time.monotonic() - started, 1)}
     save_eagle3(head, out, extra={"method": args.method, "trained": metrics})

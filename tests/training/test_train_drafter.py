@@ -207,3 +207,19 @@ def test_a_checkpoint_of_another_run_is_not_resumed(data: tuple[Batch, Batch, to
     same = fresh_head(d2t)  # the run that wrote it resumes: only what is left runs
     assert len(train_head(same, train, config, checkpoint=ckpt, progress=False,
                           run_key="new")) == 0
+
+
+def test_weight_decay_shrinks_the_trained_weights(data: tuple[Batch, Batch, torch.Tensor]) -> None:
+    """`weight_decay` reaches AdamW: the same run with it ends with smaller trainable
+    weights than without (and without it, the run is the default's)."""
+    train, _, d2t = data
+
+    def norm(weight_decay: float) -> float:
+        head = fresh_head(d2t)
+        config = TrainConfig(updates=12, batch_size=4, lr=2e-3, depth=2, seed=3,
+                             weight_decay=weight_decay)
+        train_head(head, train, config, progress=False)
+        return float(sum(p.detach().float().pow(2).sum() for p in head.parameters()
+                         if p.requires_grad))
+
+    assert norm(5.0) < 0.95 * norm(0.0)
