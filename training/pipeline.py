@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> dict:
                "train_windows": len(splits["train"][0]),
                "eval_windows": len(splits["eval"][0]), "window": WINDOW,
                "updates": args.updates, "lr": args.lr, "seed": args.seed, "loss": args.loss,
-               "noise": args.noise, "weight_decay": args.weight_decay,
+               "noise": args.noise, "weight_decay": train_config.weight_decay,
                "draft_vocab_size": args.draft_vocab_size,
                "data_answer_tokens": int((splits["train"][3] >= 0).sum()),
                "data_s": round(data_s, 1), "wall_s": round(time.monotonic() - started, 1)}

@@ -303,6 +303,7 @@ def test_serve_bench_script_self_contained(tmp_path: Path) -> None:
     (["--max-prompts", "x"], "not an integer"),
     (["--lr", "0"], "must be a finite number > 0, got 0"),
     (["--lr", "nan"], "must be a finite number > 0, got nan"),
+    (["--weight-decay", "-0.1"], "must be a finite number >= 0, got -0.1"),
 ])
 def test_train_drafter_refuses_bad_options_at_parse_time(
         argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -154,10 +154,11 @@ def test_train_drafter_command_writes_a_head_that_serves(tmp_path: Path,
     assert main(["train-drafter", "--tokens", "512", "--updates", "4", "--max-prompts", "2",
                  "--draft-vocab-size", "256", "--num-speculative-tokens", "2",
                  "--served-prompts", "1", "--loss", "kl", "--lr", "2e-3", "--no-progress",
-                 "--out", str(out)]) == 0
+                 "--weight-decay", "0.01", "--out", str(out)]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["train_windows"] == 4 and metrics["updates"] == 4 and metrics["lr"] == 2e-3
     assert metrics["loss"] == "kl" and metrics["data_answer_tokens"] > 0
+    assert metrics["weight_decay"] == 0.01  # the option reaches the training config
     served = metrics["served"]  # the head served on a held-out instruction
     assert served["lossless"] and served["draft_tokens"] > 0
     assert len(served["acceptance_per_position"]) == 2 and served["speedup_vs_off"] > 0
@@ -211,7 +212,7 @@ def test_a_checkpoint_of_another_run_is_not_resumed(data: tuple[Batch, Batch, to
 
 def test_weight_decay_shrinks_the_trained_weights(data: tuple[Batch, Batch, torch.Tensor]) -> None:
     """`weight_decay` reaches AdamW: the same run with it ends with smaller trainable
-    weights than without (and without it, the run is the default's)."""
+    weights than without."""
     train, _, d2t = data
 
     def norm(weight_decay: float) -> float:
