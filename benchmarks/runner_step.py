@@ -49,7 +49,8 @@ def _engine(model: LlamaForCausalLM, device: str, budget: int,
 def _step(sched: Scheduler, runner: ModelRunner) -> dict[str, float]:
     out = sched.schedule()
     sched.update_from_output(out, runner.execute(out))
-    return dict(runner.last_timings)
+    drafts = sum(len(t) for t in out.scheduled_spec_decode_tokens.values())
+    return {**runner.last_timings, "drafts": drafts}
 
 
 def _summarise(samples: list[dict[str, float]]) -> dict[str, float]:
@@ -64,7 +65,9 @@ def _summarise(samples: list[dict[str, float]]) -> dict[str, float]:
 def bench_decode(model: LlamaForCausalLM, device: str, batch: int, steps: int,
                  spec: SpeculativeConfig | None = None, case: str = "decode") -> dict:
     sched, runner = _engine(model, device, 2048, spec)
-    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+    # Room for every step to emit K + 1 tokens: the k rule cuts k by the worst case
+    # (all drafts accepted) near max_tokens, and a cut step would time fewer drafts.
+    params = SamplingParams(max_tokens=8 * (steps + 2), ignore_eos=True)
     for i in range(batch):
         prompt = [(17 * i + j) % 49000 + 100 for j in range(32)]
         sched.add_request(Request(f"r{i}", prompt, params))
@@ -72,6 +75,10 @@ def bench_decode(model: LlamaForCausalLM, device: str, batch: int, steps: int,
     samples = [_step(sched, runner) for _ in range(steps)]
     timing = _summarise(samples)
     if spec is not None:
+        # A step without drafts would time no drafting at all: refuse it rather than
+        # report a drafting cost of nothing.
+        if any(s["drafts"] == 0 for s in samples):
+            raise RuntimeError(f"{case}: a timed step verified no drafts")
         draft = round(1e3 * statistics.median(s["draft"] for s in samples), 3)
         timing.update(draft_ms=draft, draft_fraction=round(draft / (timing["step_ms"] + draft), 4))
     return {"case": f"{case} x{batch}", "tokens_per_step": batch, **timing}
@@ -84,7 +91,9 @@ def bench_draft(model: LlamaForCausalLM, device: str, batch: int, steps: int,
     if not head_dir.exists():
         head = Eagle3Head(Eagle3Config.for_target(model.config, vocab), model, seed=0)
         save_eagle3(head, head_dir)
-    spec = SpeculativeConfig("eagle", 4, model=str(head_dir))
+    # Fixed K: this times the cost of K = 4 drafts, which goodput would stop making
+    # for an untrained head as soon as it sees them rejected.
+    spec = SpeculativeConfig("eagle", 4, model=str(head_dir), draft_policy="fixed")
     return bench_decode(model, device, batch, steps, spec, f"draft V={vocab}")
 
 

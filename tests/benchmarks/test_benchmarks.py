@@ -58,6 +58,23 @@ def test_runner_step_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.model
+def test_runner_step_refuses_to_time_drafting_that_did_not_happen() -> None:
+    """The draft rows time real drafts: a drafter that proposes nothing (ngram on
+    prompts without a repeated n-gram) makes the benchmark raise, not report ~0 ms."""
+    import torch
+
+    from benchmarks import runner_step
+    from runner.model_loader import load_model
+    from runner.model_prep import resolve_model
+    from spec_decode import SpeculativeConfig
+
+    model = load_model(resolve_model(None), torch.float32, torch.device("cpu"))
+    spec = SpeculativeConfig("ngram", 2, draft_policy="fixed")
+    with pytest.raises(RuntimeError, match="verified no drafts"):
+        runner_step.bench_decode(model, "cpu", 1, 2, spec, "ngram")
+
+
+@pytest.mark.model
 def test_spec_decode_quick(tmp_path: Path) -> None:
     from benchmarks import spec_decode
 
