@@ -109,8 +109,9 @@ def engine_for(model: LlamaForCausalLM, config: Config, concurrency: int,
                           "draft_policy": policy} if method else None)
     if spec is not None and head is not None:
         spec["model"] = head
+    device = next(model.parameters()).device.type  # the engine runs where the model is
     llm = LLM(loaded_model=model, speculative_config=spec, max_num_batched_tokens=256,
-              max_num_seqs=concurrency, max_model_len=1024)
+              max_num_seqs=concurrency, max_model_len=1024, device=device)
     llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
     if warm is not None:
         prompts, max_tokens = warm
@@ -343,6 +344,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "instructions as the measured batch holds: the goodput "
                              "policy starts from a running server's estimates (default: "
                              "a fresh engine's prior)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the model and every engine run (default cpu)")
     parser.add_argument("--out", type=Path)
     return parser.parse_args(argv)
 
@@ -366,8 +369,8 @@ def main(argv: list[str] | None = None) -> dict:
     path = resolve_model(None)
     from runner.config import RunnerConfig
 
-    dtype = RunnerConfig(dtype=args.dtype).torch_dtype
-    model = load_model(path, dtype, torch.device("cpu"))
+    dtype = RunnerConfig(device=args.device, dtype=args.dtype).torch_dtype
+    model = load_model(path, dtype, torch.device(args.device))
     rows = []
     workloads = {"grounded": GROUNDED, "open": OPEN, "held-out": instructions("eval")}
     for workload in args.workloads.split(","):
@@ -386,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
             rows += result_rows(configs, runs_of, twins_of, workload, conc)
     for row in rows:
         del row["outputs"]
-    report = {"benchmark": "spec_decode", "device": "cpu",
+    report = {"benchmark": "spec_decode", "device": args.device,
               "dtype": str(dtype).removeprefix("torch."),
               "num_speculative_tokens": args.k, "max_tokens": max_tokens,
               "quick": args.quick, "paired_steps": args.paired_steps,
