@@ -367,5 +367,6 @@ def test_attention_benchmark_quick(tmp_path: Path) -> None:
     report = attention_kernel.main(["--quick", "--out", str(tmp_path / "a.json")])
     assert (tmp_path / "a.json").exists()
     assert report["results"] and all(r["torch_ms"] > 0 for r in report["results"])
+    assert all(r["torch_plan_ms"] > 0 for r in report["results"])  # timed apart
     if not torch.cuda.is_available():
         assert "CUDA" in report["triton"]
