@@ -158,6 +158,10 @@ class EngineMetrics:
         self.step_seconds_abs_error = self._add(
             Gauge, "step_seconds_mean_abs_error",
             "Mean |predicted - measured| step time since start.").labels(m)
+        self.step_stalls = self._add(
+            Gauge, "step_seconds_stall_steps",
+            "Timed steps the goodput policy's time model took for stalls (far over their "
+            "price after calm steps) and fitted at a cap.").labels(m)
         self.spec_request_weight = self._add(
             Gauge, "spec_decode_request_weight",
             "Verifications a request's own acceptance record needs before it counts, as "
@@ -262,6 +266,7 @@ class EngineMetrics:
             self.step_seconds_measured.set(goodput.last_measured_seconds)
         if goodput.request_weight is not None:
             self.spec_request_weight.set(goodput.request_weight)
+        self.step_stalls.set(goodput.stall_steps)
         error = goodput.as_dict()["mean_abs_error_seconds"]
         if isinstance(error, float):
             self.step_seconds_abs_error.set(error)

@@ -107,6 +107,14 @@ class GoodputSettings:
     # the last build exceed this share of those they were built on (0: every step).
     stale_share: float = 1 / 64
     forgetting: float = 0.995  # of the step-time fit's data, per observed step
+    # A step is fitted as at most this many times what the fit priced it (its drafter's
+    # share scaled alike): a one-off stall (a kernel compiled on its first shape, a
+    # page fault, the host preempting the process) is not a price. Squared error let
+    # one such step set prices for the ~200 it stays in the window (measured on an
+    # H200: the first engine of a process, its kernels compiling, predicted 116 ms a
+    # step against 42 measured, and drafted K = 4 for most requests where K = 2 won).
+    # A fit truly that far low still catches up, by up to this factor per refit.
+    outlier_ratio: float = 4.0
     # The step-time model is refitted once this many steps that teach it wait (every
     # step over its first few): a fit and its inverse each step cost ~0.1 ms in place
     # at 4 running, and a fit 3 steps old prices a window of ~200 steps as well.

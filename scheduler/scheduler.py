@@ -423,6 +423,7 @@ class Scheduler:
                                  result.step_seconds, produced, result.drafter_seconds)
         if result.step_seconds is not None and self._predicted_seconds is not None:
             self.stats.goodput.record_time(self._predicted_seconds, result.step_seconds)
+            self.stats.goodput.stall_steps = self.policy.time_model.num_stalls
 
     def _predict_seconds(self, record: StepRecord, output: SchedulerOutput) -> None:
         """What the policy's time model expects of the step just planned (a metric)."""

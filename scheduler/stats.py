@@ -113,6 +113,9 @@ class GoodputStats:
     abs_error_seconds: float = 0.0
     last_predicted_seconds: float | None = None
     last_measured_seconds: float | None = None
+    # Timed steps the time model took for stalls and fitted at a cap (StepTimeModel
+    # `_clip_stalls`), as of its last fit.
+    stall_steps: int = 0
     # Verifications a request's own record needs to count as much as its states'
     # rates, as finished requests' spread says (scheduler/request_spread.py); None
     # before any finished.
@@ -149,6 +152,7 @@ class GoodputStats:
             "mean_predicted_step_seconds": self.predicted_seconds / timed if timed else None,
             "mean_measured_step_seconds": self.measured_seconds / timed if timed else None,
             "mean_abs_error_seconds": self.abs_error_seconds / timed if timed else None,
+            "stall_steps": self.stall_steps,
             "request_weight": self.request_weight,
         }
 

@@ -69,6 +69,9 @@ _PRIOR_STEPS_HEAD_PASS = 2.0
 # Unfitted steps kept before they are added to the sums anyway (a bound: a decision
 # reads the fit at least every `GoodputSettings.max_idle_steps` steps).
 _MAX_PENDING = 64
+# Steps in a row within `GoodputSettings.outlier_ratio` of their price before one over
+# it is taken for a stall (`_clip_stalls`).
+_CALM_STEPS = 8
 # Steps over which the fit is refitted on every step, before only every
 # `GoodputSettings.refit_every` steps that teach it: a young fit moves most per step.
 _WARM_STEPS = 32
@@ -143,6 +146,9 @@ class StepTimeModel:
         self.refit_every = settings.refit_every
         self._teaching = 0  # steps waiting that teach the noise
         self._unfitted = False  # whether the sums hold steps the fit has not seen
+        self.outlier_ratio = settings.outlier_ratio
+        self.num_stalls = 0  # steps fitted as `outlier_ratio` x their price, not their time
+        self._calm = 0  # steps in a row, up to _CALM_STEPS, within that of their price
         self.optimism = settings.optimism
         self.optimism_floor = settings.optimism_floor
         self.num_observed = 0
@@ -281,9 +287,11 @@ class StepTimeModel:
         steps = np.array(self._pending)
         self._pending.clear()
         x = self.features(steps[:, 0], steps[:, 1], steps[:, 2], steps[:, 3])
+        predicted = np.maximum(x @ self._theta, 1e-6)
+        self._clip_stalls(steps, predicted)
         teaching = steps[:, 5] > 0
         if teaching.any():
-            residual = steps[teaching, 4] - x[teaching] @ self._theta
+            residual = steps[teaching, 4] - predicted[teaching]
             age = np.arange(len(residual) - 1, -1, -1)
             self.noise_var = (self.forgetting ** len(residual) * self.noise_var
                               + (1.0 - self.forgetting)
@@ -294,6 +302,27 @@ class StepTimeModel:
         self.gram = self.gram * fade + weighted.T @ x
         self.moment = self.moment * fade + weighted.T @ seconds
         self._cov, self._unfitted = None, True
+
+    def _clip_stalls(self, steps: np.ndarray, predicted: np.ndarray) -> None:
+        """Cap a stall's seconds (column 4) at `outlier_ratio` times `predicted`, its
+        drafter's seconds (column 6) scaled alike, in place (GoodputSettings.outlier_ratio).
+        A step that far over its price is a stall only after `_CALM_STEPS` in a row were
+        not: where the fit is far off (a fresh engine on a machine unlike the prior's, a
+        drafter pass first priced by a prior of 0) the steps are fitted in full at once."""
+        over = steps[:, 4] > self.outlier_ratio * predicted
+        if not over.any():
+            self._calm = min(self._calm + len(steps), _CALM_STEPS)
+            return
+        for i in range(len(steps)):
+            if not over[i]:
+                self._calm = min(self._calm + 1, _CALM_STEPS)
+                continue
+            if self._calm >= _CALM_STEPS:
+                cap = self.outlier_ratio * predicted[i]
+                steps[i, 6] *= cap / steps[i, 4]  # NaN (not timed apart) stays NaN
+                steps[i, 4] = cap
+                self.num_stalls += 1
+            self._calm = 0
 
     def _fit(self, cov: np.ndarray, precision: np.ndarray, moment: np.ndarray) -> np.ndarray:
         """The ridge solution with no negative cost: a coefficient of `_NONNEGATIVE`

@@ -150,7 +150,8 @@ def test_a_restarted_engine_counts_on_from_its_own_zero() -> None:
 
 def test_draft_policy_choices_and_step_time_predictions() -> None:
     """The chosen-k counter adds each step's new choices once; the step-time gauges
-    show the last timed step and the mean error; the request weight, the last learnt."""
+    show the last timed step, the mean error and the stalls; the request weight, the
+    last learnt."""
     import numpy as np
 
     registry, core = CollectorRegistry(), FakeCore()
@@ -162,6 +163,7 @@ def test_draft_policy_choices_and_step_time_predictions() -> None:
     goodput.record_drafts(np.array([0, 0]))
     goodput.record_time(0.020, 0.016)
     goodput.request_weight = 12.5
+    goodput.stall_steps = 2
     metrics.on_step(core, [], {})
     chosen = [value(registry, "spec_decode_chosen_k_total", k=str(k)) for k in range(3)]
     assert chosen == [3, 0, 2]
@@ -170,6 +172,7 @@ def test_draft_policy_choices_and_step_time_predictions() -> None:
     assert value(registry, "step_seconds_measured") == 0.016
     assert value(registry, "step_seconds_mean_abs_error") == pytest.approx(0.003)
     assert value(registry, "spec_decode_request_weight") == 12.5
+    assert value(registry, "step_seconds_stall_steps") == 2
 
 
 def test_budget_pass_rows_and_utilization() -> None:

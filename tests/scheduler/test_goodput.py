@@ -26,7 +26,15 @@ from scheduler.request import (
     SOME_ACCEPTED,
     outcome,
 )
-from scheduler.step_cost import _MAX_PENDING, _WARM_STEPS, KNOTS, DraftCosts, StepTimeModel
+from scheduler.scheduler import Scheduler
+from scheduler.step_cost import (
+    _CALM_STEPS,
+    _MAX_PENDING,
+    _WARM_STEPS,
+    KNOTS,
+    DraftCosts,
+    StepTimeModel,
+)
 from spec_decode.methods import get_method
 from tests.helpers import drain, make_request, make_scheduler, run_step
 
@@ -201,16 +209,23 @@ def test_unfitted_steps_fold_into_the_sums_as_if_added_one_by_one(
     step over the first `_WARM_STEPS`, then every `refit_every` steps that teach the
     noise; more than `_MAX_PENDING` waiting fold on the way): the same sums, fit and
     prices as adding each on its own step, and the noise of each teaching step's
-    residual against the fit as last refitted."""
+    residual against the fit as last refitted (each step capped at `outlier_ratio` times
+    that fit's price)."""
     lazy = StepTimeModel("head", GoodputSettings())
     eager = StepTimeModel("head", GoodputSettings())
-    fit, teaching = eager.theta.copy(), 0
+    fit, teaching, calm = eager.theta.copy(), 0, 0
     for i, (target, drafter, passes, seconds, refit) in enumerate(steps):
         rows = (target, min(target, 16), drafter, passes)
         lazy.observe(*rows, seconds, refit=refit)
         x = eager.features_one(*rows)
+        price = max(float(x @ fit), 1e-6)
+        if seconds <= eager.outlier_ratio * price:
+            calm += 1
+        else:  # a stall after calm steps counts as 4x its price
+            seconds = min(seconds, eager.outlier_ratio * price) if calm >= _CALM_STEPS else seconds
+            calm = 0
         if refit:
-            residual = seconds - float(x @ fit)
+            residual = seconds - price
             eager.noise_var += (1 - eager.forgetting) * (residual ** 2 - eager.noise_var)
             teaching += 1
         eager.gram = eager.gram * eager.forgetting + np.outer(x, x)
@@ -599,6 +614,40 @@ def test_the_scheduler_drafts_the_most_when_rows_are_cheap() -> None:
     assert chosen[K] == max(chosen)
     assert any(sorted(out.num_draft_tokens.values()) == [K] * 16 for out in outputs[:10])
     assert sched.stats.goodput.num_timed_steps == len(outputs)
+
+
+def stalled_workload(outlier_ratio: float) -> Scheduler:
+    """16 ngram requests on an affine clock whose every 30th step stalls for a second
+    (kernels compiling on a fresh engine, the host preempting it)."""
+    sched = make_scheduler("ngram", k=K, budget=256, max_num_seqs=16, max_model_len=512,
+                           draft_policy="goodput")
+    sched = Scheduler(sched.config, sched.cache_config, sched.speculative_config,
+                      goodput=GoodputSettings(outlier_ratio=outlier_ratio))
+    clock, calls = synthetic_step_time(0.02, 0.0005), [0]
+
+    def stalling(rows: dict[str, int]) -> float:
+        calls[0] += 1
+        return clock(rows) + (1.0 if calls[0] % 30 == 0 else 0.0)
+
+    runner = SimulatedRunner(sched, acceptance=0.6, seed=3, step_time=stalling)
+    for i in range(16):
+        sched.add_request(make_request(f"r{i}", 5 + i, max_tokens=120, ignore_eos=True))
+    drain(sched, runner)
+    return sched
+
+
+def test_the_scheduler_prices_steps_by_the_clock_not_its_stalls() -> None:
+    """The stalls are counted (`stall_steps`, a metric) and fitted at a cap, so a step of
+    16 decodes is priced near the clock's 28 ms; fitted as measured (the check is real),
+    the same stalls price it far over."""
+    truth = 0.02 + 0.0005 * 16
+    capped = stalled_workload(GoodputSettings().outlier_ratio)
+    assert capped.stats.goodput.stall_steps >= 3
+    assert capped.stats.goodput.as_dict()["stall_steps"] == capped.stats.goodput.stall_steps
+    assert float(capped.policy.time_model.predict(16, 16, 0, 0)) == pytest.approx(truth, rel=0.25)
+    raw = stalled_workload(float("inf"))
+    assert raw.stats.goodput.stall_steps == 0
+    assert float(raw.policy.time_model.predict(16, 16, 0, 0)) > 1.5 * truth
 
 
 def test_the_scheduler_keeps_each_requests_last_outcome() -> None:

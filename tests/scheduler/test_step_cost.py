@@ -59,3 +59,55 @@ def test_steps_without_a_drafter_pass_are_fitted_whole() -> None:
         whole.observe(rows, rows, 0, 0, 0.02 + 0.001 * rows)
         timed.observe(rows, rows, 0, 0, 0.02 + 0.001 * rows, drafter_seconds=0.0005)
     np.testing.assert_allclose(timed.theta, whole.theta)
+
+
+def fed_stalled_steps(outlier_ratio: float) -> StepTimeModel:
+    """A lookup method's steps on an affine clock, every 25th of them (from the 13th,
+    after calm ones) stalled for two seconds (a kernel compiled on its first shape, the
+    host preempting the process)."""
+    model = StepTimeModel("lookup", GoodputSettings(outlier_ratio=outlier_ratio))
+    rng = np.random.default_rng(0)
+    for i in range(200):
+        rows = int(rng.integers(1, 40))
+        model.observe(rows, rows, 0, 0, 0.012 + 0.0002 * rows + (2.0 if i % 25 == 12 else 0.0))
+    return model
+
+
+def test_a_stalled_step_is_not_a_price() -> None:
+    model = fed_stalled_steps(GoodputSettings().outlier_ratio)
+    assert model.num_stalls == 8
+    # Each stall still counts as 4x its price: a few % over the truth here, not 3x.
+    assert float(model.predict(16, 16, 0, 0)) == pytest.approx(0.012 + 0.0002 * 16, rel=0.2)
+
+
+def test_without_the_cap_the_stalls_set_the_price() -> None:
+    """The check above is real: fitted as measured, eight stalls in 200 steps price
+    every step several times what it takes."""
+    model = fed_stalled_steps(float("inf"))
+    assert model.num_stalls == 0
+    assert float(model.predict(16, 16, 0, 0)) > 3 * (0.012 + 0.0002 * 16)
+
+
+def test_a_machine_far_slower_than_the_prior_is_fitted_at_once() -> None:
+    """Every step 30x what the prior prices (a larger model on a CPU): no calm steps
+    came first, so none is taken for a stall, and the fit has the price in a few steps."""
+    model = StepTimeModel("lookup", GoodputSettings())
+    prior = float(model.predict(8, 8, 0, 0))
+    for _ in range(4):
+        model.observe(8, 8, 0, 0, 30 * prior)
+    assert model.num_stalls == 0
+    assert float(model.predict(8, 8, 0, 0)) == pytest.approx(30 * prior, rel=0.05)
+
+
+def test_after_calm_steps_a_jump_is_capped_once_then_fitted() -> None:
+    """Steps at their price, then the clock jumps 10x for good (a slow region the fit
+    never saw): the first step of the jump is capped, the ones after it are not, so the
+    fit follows the jump almost as if nothing were capped."""
+    capped, uncapped = (StepTimeModel("lookup", GoodputSettings(outlier_ratio=ratio))
+                        for ratio in (4.0, float("inf")))
+    for model in (capped, uncapped):
+        for seconds in [0.02] * 40 + [0.2] * 12:
+            model.observe(8, 8, 0, 0, seconds)
+    assert capped.num_stalls == 1
+    assert float(capped.predict(8, 8, 0, 0)) == pytest.approx(
+        float(uncapped.predict(8, 8, 0, 0)), rel=0.1)
