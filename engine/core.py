@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from engine.config import EngineConfig
 from runner.invariant import BudgetInvariantError
 from runner.model_runner import ModelRunner
@@ -35,6 +37,12 @@ def is_request_level(err: BaseException) -> bool:
     return "CUDA" not in str(err) and "out of memory" not in str(err)
 
 
+def step_prior_for(device: torch.device) -> str:
+    """The goodput policy's step-time prior for a forward on `device`
+    (GoodputSettings.step_prior): the CPU's, or a GPU's for any accelerator."""
+    return "cpu" if device.type == "cpu" else "gpu"
+
+
 class EngineCore:
     """Owns the scheduler and the runner; the KV size found at start goes to both."""
 
@@ -48,12 +56,15 @@ class EngineCore:
         cache_cfg = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching)
         # A trained head's measured acceptance is the goodput policy's prior: a fresh
         # engine then does not learn by drafting what the head's training measured.
+        # The step-time prior by where the forward runs (GoodputSettings.step_prior).
         measured = self.runner.drafter_acceptance()
+        prior = step_prior_for(self.runner.device)
         self.scheduler = Scheduler(sched_cfg, cache_cfg, config.speculative_config,
                                    goodput=GoodputSettings(
                                        prior_acceptance=measured.rates,
-                                       prior_evidence=measured.verifications)
-                                   if measured else None)
+                                       prior_evidence=measured.verifications,
+                                       step_prior=prior)
+                                   if measured else GoodputSettings(step_prior=prior))
         self._check_kv_holds_one_request(num_blocks)
         self._failed_steps = 0  # in a row
         logger.info("dtype %s, linear kernel %s", self.runner.dtype_description,

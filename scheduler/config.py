@@ -64,6 +64,9 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.num_blocks must be >= 1 (got {self.num_blocks})")
 
 
+STEP_PRIORS = ("cpu", "gpu")  # GoodputSettings.step_prior
+
+
 @dataclass(frozen=True)
 class GoodputSettings:
     """The policy's knobs; the defaults serve, tests pin them."""
@@ -107,6 +110,14 @@ class GoodputSettings:
     # the last build exceed this share of those they were built on (0: every step).
     stale_share: float = 1 / 64
     forgetting: float = 0.995  # of the step-time fit's data, per observed step
+    # The step-time model's prior by where the forward runs (scheduler/step_cost.py):
+    # "cpu", measured on this project's CPU, where a row past the first few costs ~1 ms;
+    # "gpu", measured on an H200, where a step costs its kernel launches whatever its
+    # rows. The engine picks it by its device. A prior that prices rows too high is
+    # never corrected where nobody drafts: on a GPU-like clock (simulated, eagle at 16
+    # running) goodput with the CPU's prior ran 0.92 of the best fixed K, with this one
+    # 0.96 (README).
+    step_prior: str = "cpu"
     # A step is fitted as at most this many times what the fit priced it (its drafter's
     # share scaled alike): a one-off stall (a kernel compiled on its first shape, a
     # page fault, the host preempting the process) is not a price. Squared error let
@@ -169,6 +180,9 @@ class GoodputSettings:
     exhaustive_prefixes: int = 256
 
     def __post_init__(self) -> None:
+        if self.step_prior not in STEP_PRIORS:
+            raise ValueError(f"GoodputSettings.step_prior must be one of "
+                             f"{', '.join(STEP_PRIORS)}, got {self.step_prior!r}")
         values = self._prior_values()
         if not values or not all(0.0 <= v <= 1.0 for v in values):
             raise ValueError(f"GoodputSettings.prior_acceptance must be one or more "

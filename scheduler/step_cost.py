@@ -45,10 +45,22 @@ _DRAFTER_COLUMN = 3 + len(KNOTS)  # where the drafter's features start: p, d, it
 # for 30, 12.7 for 152 (a catch-up), so ~0.1 ms a row to 64, 0.06 past it. A prior of
 # 0.02 ms a row priced a fresh engine's catch-ups (200+ rows) at a third of their time,
 # and it drafted where that lost (measured at 16 running).
-_TARGET_PRIOR = (0.016, 0.0006, 0.0001, 0.0008, 0.0, 0.0, 0.0)
-_DRAFTER_PRIOR = {"lookup": (0.0,) * 6,
-                  "head": (0.0016, 0.0001, 0.0, 0.0, -0.00004, 0.0),
-                  "lm": (0.016, 0.001, 0.0, 0.0004, 0.0, 0.0)}  # a pass like the target's
+# On a GPU ("gpu", `GoodputSettings.step_prior`), from `benchmarks/runner_step.py
+# --device cuda` on an H200 (README): a step ~13 ms whether it runs 1 row or 512 (its
+# kernels launched one by one), ~6 us a prefill row, ~20 us a logit row, and an
+# EAGLE-3 head's K = 4 (a context pass and three one-row steps) 5.3-5.9 ms, so ~1.4 ms
+# a pass. Where a prior prices rows too high, the policy never drafts to learn
+# otherwise; one that prices them too low drafts, and its steps correct it.
+_PRIORS: dict[str, tuple[tuple[float, ...], dict[str, tuple[float, ...]]]] = {
+    "cpu": ((0.016, 0.0006, 0.0001, 0.0008, 0.0, 0.0, 0.0),
+            {"lookup": (0.0,) * 6,
+             "head": (0.0016, 0.0001, 0.0, 0.0, -0.00004, 0.0),
+             "lm": (0.016, 0.001, 0.0, 0.0004, 0.0, 0.0)}),  # a pass like the target's
+    "gpu": ((0.013, 0.000006, 0.00002, 0.0, 0.0, 0.0, 0.0),
+            {"lookup": (0.0,) * 6,
+             "head": (0.0014, 0.00001, 0.0, 0.0, 0.0, 0.0),
+             "lm": (0.013, 0.00002, 0.0, 0.0, 0.0, 0.0)}),
+}
 # How much the prior weighs, in steps of 64 rows (pseudo-observations as noisy as a
 # real step): little for the constants and base slopes (the data soon decides them),
 # more for the changes of slope at the knots, so rows past a knot no step has reached
@@ -124,8 +136,9 @@ class StepTimeModel:
     rows past a knot), and the next prefill then swings that slope on one noisy step."""
 
     def __init__(self, drafter_kind: str | None, settings: GoodputSettings) -> None:
-        drafter = _DRAFTER_PRIOR.get(drafter_kind or "lookup", _DRAFTER_PRIOR["lm"])
-        self.prior = np.array(_TARGET_PRIOR + drafter, dtype=float)
+        target, drafters = _PRIORS[settings.step_prior]
+        drafter = drafters.get(drafter_kind or "lookup", drafters["lm"])
+        self.prior = np.array(target + drafter, dtype=float)
         self.prior_precision = _prior_precision(drafter_kind or "lookup")
         self._prior_moment = self.prior_precision @ self.prior
         self.gram = np.zeros((len(self.prior), len(self.prior)))  # decayed sum of x x'

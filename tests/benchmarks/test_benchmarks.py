@@ -432,6 +432,27 @@ def test_goodput_cost_quick(tmp_path: Path) -> None:
         (row["fixed_median_us"] + row["policy_us"]) / row["fixed_median_us"], abs=1e-3)
 
 
+def test_goodput_clock_quick(tmp_path: Path) -> None:
+    """Goodput over off and over the best fixed K per seed, under each step prior, on
+    the simulated GPU clock; the clock's drafter pass is its own."""
+    from benchmarks import goodput_clock
+
+    report = goodput_clock.main(["--quick", "--out", str(tmp_path / "c.json")])
+    (cell,) = report["cells"]
+    assert cell["method"] == "eagle" and set(cell["goodput"]) == {"cpu", "gpu"}
+    for prior in cell["goodput"].values():
+        assert len(prior["over_off"]) == report["seeds"] == 2
+        best = [off / ratio for off, ratio in zip(prior["over_off"], prior["over_best_fixed"],
+                                                  strict=True)]
+        assert best == pytest.approx(cell["best_fixed_over_off"], rel=1e-3)
+    # A drafter pass as dear as the target's (the clock's option reaches the runs):
+    # the best fixed K gains less over off in every seed.
+    dear = goodput_clock.main(["--quick", "--drafter-pass", "0.012",
+                               "--out", str(tmp_path / "s.json")])
+    assert all(d < c for d, c in zip(dear["cells"][0]["best_fixed_over_off"],
+                                     cell["best_fixed_over_off"], strict=True))
+
+
 @pytest.mark.model
 def test_request_spread_quick(tmp_path: Path) -> None:
     """Each method's requests served alone at K = 1: counts per request, and the weight

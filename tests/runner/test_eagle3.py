@@ -126,6 +126,7 @@ def test_engine_hands_the_heads_measured_acceptance_to_the_scheduler(
                   speculative_config=spec)
         policy = llm.engine.scheduler.policy  # type: ignore[union-attr]
         assert policy is not None
+        assert policy.settings.step_prior == "cpu"  # the step-time prior by device
         return policy.acceptance.pooled_rates().tolist(), policy.settings.prior_evidence
 
     rates, evidence = prior()
