@@ -4,7 +4,8 @@
 #
 #   scripts/gpu_check.sh kernels   # Triton attention + rejection sampler vs torch, kernel timings
 #   scripts/gpu_check.sh model     # the CUDA runner on the default model, runner step timings
-#   scripts/gpu_check.sh           # both
+#   scripts/gpu_check.sh serve     # speculation served on CUDA: goodput against fixed K
+#   scripts/gpu_check.sh           # kernels and model
 #
 # The device machine has torch, triton, pytest, hypothesis, safetensors, tokenizers and
 # jinja2, but no network. The `model` stage also needs the `gguf` package and the 98 MB
@@ -18,7 +19,11 @@
 # wheels for its Python (3.12) in `$GPU_VENDOR/whl` are installed into
 # `$GPU_VENDOR/site` (`pip download --no-deps --only-binary=:all: --python-version 3.12
 # pydantic pydantic_core annotated_types typing_inspection`). Without them the model
-# stage reports the missing package.
+# stage reports the missing package. The `serve` stage needs the trained eagle head:
+# carry a cache folder holding heads/smollm2-135m/eagle/{model.safetensors,config.json}
+# (38 MB, a call of its own) and name it in SPECBUDGET_CACHE_DIR. Its figure is the one
+# the GPU step-time prior (GoodputSettings.step_prior) was made for: goodput against
+# the best fixed K at 1 and 16 running (0.90 with the CPU's prior, 2026-12-04).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
@@ -58,5 +63,15 @@ if [[ $stage == model || $stage == all ]]; then
     python3 benchmarks/runner_step.py --device cuda --out "$out/runner_step_cuda.json" \
         > "$out/runner_step.txt" 2>&1
     echo "runner_step rc=$?" >> "$out/runner_step.txt"
+fi
+if [[ $stage == serve ]]; then
+    common=(--device cuda --methods eagle,ngram --no-random-heads --workloads held-out
+            --policies goodput,fixed --k-grid 1,2,4 --dtype auto --side-by-side)
+    python3 benchmarks/spec_decode.py "${common[@]}" --concurrency 16 --min-requests 32 \
+        --repeats 2 --out "$out/spec_decode_cuda_c16.json" > "$out/serve.txt" 2>&1
+    echo "serve c16 rc=$?" >> "$out/serve.txt"
+    python3 benchmarks/spec_decode.py "${common[@]}" --concurrency 1 --repeats 2 \
+        --out "$out/spec_decode_cuda_c1.json" >> "$out/serve.txt" 2>&1
+    echo "serve c1 rc=$?" >> "$out/serve.txt"
 fi
 tail -n 25 "$out"/*.txt
