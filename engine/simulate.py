@@ -22,6 +22,7 @@ from scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from scheduler.config import GoodputSettings
 from spec_decode import SpeculativeConfig
 
 EOS = 2
@@ -160,13 +161,14 @@ def simulate_command(args: argparse.Namespace) -> int:
     scheduler = Scheduler(
         SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len),
         CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks),
-        spec,
+        spec, goodput=GoodputSettings(step_prior=args.step_prior),
     )
     # Strict: the runner holds the scheduler's limits and checks every step as the
     # model runner would (k rule, positions, KV slots, each pass against B).
+    clock = synthetic_step_time(args.seconds_per_pass, args.seconds_per_row,
+                                args.seconds_per_drafter_pass)
     runner = SimulatedRunner(scheduler, acceptance=args.acceptance, seed=args.seed,
-                             step_time=synthetic_step_time(args.seconds_per_pass,
-                                                           args.seconds_per_row))
+                             step_time=clock)
     workload = make_workload(WorkloadConfig(num_decoders=args.num_decoders,
                                             num_long=args.num_long, seed=args.seed,
                                             long_prompt=(512, 2048)))
@@ -182,6 +184,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         "acceptance_rate": (stats.num_accepted_drafts / stats.num_verified_drafts
                             if stats.num_verified_drafts else None),
         "draft_policy": spec.draft_policy if spec else None,
+        "step_prior": args.step_prior,
         "goodput": stats.goodput.as_dict(),
     }
     if args.json:

@@ -22,6 +22,7 @@ from engine.connection_limits import ConnectionLimits
 from engine.json_body import DEFAULT_MAX_BODY_BYTES
 from engine.simulate import simulate_command
 from runner.model_prep import DEFAULT_MODEL_NAME
+from scheduler.config import STEP_PRIORS
 from spec_decode import DRAFT_POLICIES, METHODS, SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -51,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
                      help="the simulated clock: each forward pass that runs")
     sim.add_argument("--seconds-per-row", type=float, default=0.0003,
                      help="the simulated clock: each row of any pass")
+    sim.add_argument("--seconds-per-drafter-pass", type=float, default=None,
+                     help="the simulated clock: each drafter pass, if not a target "
+                          "pass's (a GPU's: 0.0013 against 0.012)")
+    sim.add_argument("--step-prior", default="cpu", choices=STEP_PRIORS,
+                     help="the goodput policy's step-time prior (an engine picks it by "
+                          "its device)")
     sim.add_argument("--max-num-batched-tokens", type=int, default=512)
     sim.add_argument("--max-num-seqs", type=int, default=64)
     sim.add_argument("--max-model-len", type=int, default=4096)

@@ -40,3 +40,21 @@ def test_prepare_model_prints_a_loadable_dir(capsys: pytest.CaptureFixture[str])
     path = Path(capsys.readouterr().out.strip())
     config = json.loads((path / "config.json").read_text())
     assert config["num_hidden_layers"] == 30 and (path / "tokenizer.json").exists()
+
+
+def test_simulate_takes_a_gpus_clock_and_prior(capsys: pytest.CaptureFixture[str]) -> None:
+    """A drafter pass priced apart from the target's, and the GPU's step-time prior:
+    both reach the run (the prior changes what goodput chooses on the same clock)."""
+    gpu_clock = ["simulate", "--method", "eagle", "--json", "--num-decoders", "24",
+                 "--num-long", "0", "--max-num-seqs", "16", "--seconds-per-pass", "0.012",
+                 "--seconds-per-row", "0.000005", "--seconds-per-drafter-pass", "0.0013",
+                 "--acceptance", "0.42"]
+    chosen = {}
+    for prior in ("cpu", "gpu"):
+        assert main([*gpu_clock, "--step-prior", prior]) == 0
+        summary = json.loads(capsys.readouterr().out)
+        assert summary["step_prior"] == prior
+        chosen[prior] = summary["goodput"]["chosen_k"]
+    assert chosen["cpu"] != chosen["gpu"]
+    with pytest.raises(SystemExit):
+        main([*gpu_clock, "--step-prior", "tpu"])
