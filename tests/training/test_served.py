@@ -1,0 +1,51 @@
+"""The served figure's order: the fixed-K runs first, their acceptance recorded where an
+engine that loads the head reads it, then the default policy (no model: the rounds are
+faked, each seeing what a head loaded then would start from)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import training.served as served
+from runner.eagle3 import measured_acceptance
+
+
+def fake_rounds(head_dir: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """Each round returns off and one configuration (10 and 14 tok/s); the policy of
+    that configuration and the prior a head loaded then would have, per round."""
+    seen: list[tuple[str, Any]] = []
+
+    def one_round(model: object, specs: list[dict[str, Any] | None], prompts: list[str],
+                  max_tokens: int) -> list[dict[str, Any]]:
+        assert specs[0] is None and specs[1] is not None
+        seen.append((specs[1]["draft_policy"], measured_acceptance(head_dir)))
+        off = {"tokens_per_s": 10.0, "outputs": [[1, 2]], "drafted": [], "accepted": [],
+               "drafts": 0}
+        on = {"tokens_per_s": 14.0, "outputs": [[1, 2]], "drafted": [40, 20],
+              "accepted": [20, 5], "drafts": 40}
+        return [off, on]
+
+    monkeypatch.setattr(served, "_round", one_round)
+    return seen
+
+
+def test_the_default_policy_runs_with_the_served_acceptance_as_its_prior(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "metrics.json").write_text(json.dumps({"method": "dflash"}))
+    seen = fake_rounds(tmp_path, monkeypatch)
+    got = served.served_figures(None, tmp_path, "dflash", 2, num_prompts=2, rounds=2)  # type: ignore[arg-type]
+    assert [policy for policy, _ in seen] == ["fixed", "fixed", "goodput", "goodput"]
+    assert seen[0][1] is None and seen[1][1] is None  # no record yet, no config either
+    prior = seen[2][1]
+    assert prior is not None and prior.rates == pytest.approx((0.5, 0.5))  # 0.25 / 0.5
+    assert prior.verifications == 2 * 60 // (2 * 2)  # draft tokens / (K x rounds)
+    assert got["acceptance_per_position"] == [0.5, 0.25]
+    assert got["speedup_vs_off"] == got["speedup_vs_off_default_policy"] == 1.4
+    assert got["lossless"]
+    kept = json.loads((tmp_path / "metrics.json").read_text())
+    assert kept["method"] == "dflash"  # the rest of the file is kept
+    assert kept["served"]["acceptance_per_position"] == [0.5, 0.25]
