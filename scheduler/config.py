@@ -180,6 +180,9 @@ class GoodputSettings:
     exhaustive_prefixes: int = 256
 
     def __post_init__(self) -> None:
+        if not self.outlier_ratio > 1.0:  # at or below 1, every step would be capped
+            raise ValueError(f"GoodputSettings.outlier_ratio must be > 1 (times a step's "
+                             f"price), got {self.outlier_ratio!r}")
         if self.step_prior not in STEP_PRIORS:
             raise ValueError(f"GoodputSettings.step_prior must be one of "
                              f"{', '.join(STEP_PRIORS)}, got {self.step_prior!r}")

@@ -680,9 +680,13 @@ def test_on_a_gpus_clock_the_gpu_prior_drafts_where_the_cpu_prior_parks(seed: in
     assert sum(drafting.chosen_k[1:]) > 10 * drafting.chosen_k[0]
 
 
-def test_the_step_prior_is_checked() -> None:
+def test_the_step_prior_and_the_stall_cap_are_checked() -> None:
     with pytest.raises(ValueError, match="step_prior must be one of cpu, gpu"):
         GoodputSettings(step_prior="tpu")
+    for ratio in (1.0, 0.5, float("nan")):  # a cap at or below the price caps every step
+        with pytest.raises(ValueError, match="outlier_ratio must be > 1"):
+            GoodputSettings(outlier_ratio=ratio)
+    assert GoodputSettings(outlier_ratio=float("inf")).outlier_ratio == float("inf")
 
 
 def test_the_scheduler_keeps_each_requests_last_outcome() -> None:
