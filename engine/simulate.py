@@ -153,16 +153,35 @@ def synthetic_step_time(seconds_per_pass: float, seconds_per_row: float,
     return step_time
 
 
-def simulate_command(args: argparse.Namespace) -> int:
-    """`specbudget simulate`: the scheduler alone on a replayed workload."""
+def check_simulate_arguments(args: argparse.Namespace) -> None:
+    """Refuse a clock or an acceptance no run could mean, naming the option (the
+    scheduler's own configs check the rest when `simulate_command` builds them)."""
+    for option in ("seconds_per_pass", "seconds_per_row", "seconds_per_drafter_pass"):
+        value = getattr(args, option)
+        if value is not None and not value >= 0.0:
+            raise ValueError(f"--{option.replace('_', '-')} must be >= 0 seconds, "
+                             f"got {value}")
+    if not 0.0 <= args.acceptance <= 1.0:
+        raise ValueError(f"--acceptance must be a probability in [0, 1], got {args.acceptance}")
+
+
+def simulate_scheduler(args: argparse.Namespace) -> Scheduler:
+    """The scheduler `specbudget simulate` runs (ValueError naming the option if a
+    config refuses its value)."""
     spec = (None if args.method == "none"
             else SpeculativeConfig(args.method, args.num_speculative_tokens,
                                    draft_policy=args.draft_policy))
-    scheduler = Scheduler(
+    return Scheduler(
         SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len),
         CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks),
         spec, goodput=GoodputSettings(step_prior=args.step_prior),
     )
+
+
+def simulate_command(args: argparse.Namespace, scheduler: Scheduler | None = None) -> int:
+    """`specbudget simulate`: the scheduler alone on a replayed workload."""
+    scheduler = scheduler or simulate_scheduler(args)
+    spec = scheduler.speculative_config
     # Strict: the runner holds the scheduler's limits and checks every step as the
     # model runner would (k rule, positions, KV slots, each pass against B).
     clock = synthetic_step_time(args.seconds_per_pass, args.seconds_per_row,

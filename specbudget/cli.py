@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.connection_limits import ConnectionLimits
 from engine.json_body import DEFAULT_MAX_BODY_BYTES
-from engine.simulate import simulate_command
+from engine.simulate import check_simulate_arguments, simulate_command, simulate_scheduler
 from runner.model_prep import DEFAULT_MODEL_NAME
 from scheduler.config import STEP_PRIORS
 from spec_decode import DRAFT_POLICIES, METHODS, SpeculativeConfig
@@ -487,7 +487,12 @@ def _run_bench(args: argparse.Namespace, base_url: str, rates: list[float],
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "simulate":
-        return simulate_command(args)
+        try:
+            check_simulate_arguments(args)
+            scheduler = simulate_scheduler(args)
+        except ValueError as err:
+            return _refuse("simulate", err)
+        return simulate_command(args, scheduler)
     if args.command == "serve":
         return serve(args)
     if args.command == "generate":

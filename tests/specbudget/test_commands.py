@@ -58,3 +58,21 @@ def test_simulate_takes_a_gpus_clock_and_prior(capsys: pytest.CaptureFixture[str
     assert chosen["cpu"] != chosen["gpu"]
     with pytest.raises(SystemExit):
         main([*gpu_clock, "--step-prior", "tpu"])
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--seconds-per-drafter-pass", "-1", "--seconds-per-drafter-pass must be >= 0 seconds"),
+    ("--seconds-per-row", "nan", "--seconds-per-row must be >= 0 seconds"),
+    ("--acceptance", "1.5", "--acceptance must be a probability in [0, 1]"),
+    ("--max-num-batched-tokens", "0", "--max-num-batched-tokens must be >= 1"),
+    ("--num-speculative-tokens", "0", "num_speculative_tokens"),
+])
+def test_simulate_refuses_what_no_run_could_mean(option: str, value: str, message: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """One line naming the option, exit code 2, no traceback and no table."""
+    assert main(["simulate", "--method", "eagle", "--num-decoders", "4", "--num-long", "0",
+                 option, value]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("specbudget simulate: ") and message in captured.err
+    assert "Traceback" not in captured.err
