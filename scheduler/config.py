@@ -114,9 +114,9 @@ class GoodputSettings:
     # "cpu", measured on this project's CPU, where a row past the first few costs ~1 ms;
     # "gpu", measured on an H200, where a step costs its kernel launches whatever its
     # rows. The engine picks it by its device. A prior that prices rows too high is
-    # never corrected where nobody drafts: on a GPU-like clock (simulated, eagle at 16
-    # running) goodput with the CPU's prior ran 0.92 of the best fixed K, with this one
-    # 0.96 (README).
+    # never corrected where nobody drafts: on an H200's clock (simulated, eagle at 16
+    # running, benchmarks/goodput_clock.py) goodput with the CPU's prior ran 0.91 of
+    # the best fixed K, with this one 0.96.
     step_prior: str = "cpu"
     # A step is fitted as at most this many times what the fit priced it (its drafter's
     # share scaled alike): a one-off stall (a kernel compiled on its first shape, a
@@ -124,7 +124,8 @@ class GoodputSettings:
     # one such step set prices for the ~200 it stays in the window (measured on an
     # H200: the first engine of a process, its kernels compiling, predicted 116 ms a
     # step against 42 measured, and drafted K = 4 for most requests where K = 2 won).
-    # A fit truly that far low still catches up, by up to this factor per refit.
+    # Only a step after calm ones is capped (StepTimeModel `_clip_stalls`): where the
+    # fit itself is that far low, the steps after the first are fitted in full.
     outlier_ratio: float = 4.0
     # The step-time model is refitted once this many steps that teach it wait (every
     # step over its first few): a fit and its inverse each step cost ~0.1 ms in place
