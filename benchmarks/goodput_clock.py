@@ -93,6 +93,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--drafter-pass", type=float, default=0.0013)
     parser.add_argument("--row", type=float, default=0.000005)
     args = parser.parse_args(argv)
+    for option in ("target_pass", "drafter_pass", "row"):
+        if not getattr(args, option) >= 0.0:
+            parser.error(f"--{option.replace('_', '-')} must be >= 0 seconds, "
+                         f"got {getattr(args, option)}")
     clock = synthetic_step_time(args.target_pass, args.row, args.drafter_pass)
     seeds = range(2 if args.quick else 6)
     grid = ([("eagle", 4)] if args.quick else

@@ -451,6 +451,8 @@ def test_goodput_clock_quick(tmp_path: Path) -> None:
                                "--out", str(tmp_path / "s.json")])
     assert all(d < c for d, c in zip(dear["cells"][0]["best_fixed_over_off"],
                                      cell["best_fixed_over_off"], strict=True))
+    with pytest.raises(SystemExit):  # a clock no run could mean
+        goodput_clock.main(["--quick", "--row", "-0.001", "--out", str(tmp_path / "x.json")])
 
 
 @pytest.mark.model
