@@ -155,7 +155,7 @@ def synthetic_step_time(seconds_per_pass: float, seconds_per_row: float,
 
 def check_simulate_arguments(args: argparse.Namespace) -> None:
     """Refuse a clock or an acceptance no run could mean, naming the option (the
-    scheduler's own configs check the rest when `simulate_command` builds them)."""
+    scheduler's own configs check the rest when `simulate_scheduler` builds them)."""
     for option in ("seconds_per_pass", "seconds_per_row", "seconds_per_drafter_pass"):
         value = getattr(args, option)
         if value is not None and not value >= 0.0:
@@ -178,9 +178,9 @@ def simulate_scheduler(args: argparse.Namespace) -> Scheduler:
     )
 
 
-def simulate_command(args: argparse.Namespace, scheduler: Scheduler | None = None) -> int:
-    """`specbudget simulate`: the scheduler alone on a replayed workload."""
-    scheduler = scheduler or simulate_scheduler(args)
+def simulate_command(args: argparse.Namespace, scheduler: Scheduler) -> int:
+    """`specbudget simulate`: `scheduler` (`simulate_scheduler`'s, built by the caller
+    so a refused config is a user error, not a traceback) alone on a replayed workload."""
     spec = scheduler.speculative_config
     # Strict: the runner holds the scheduler's limits and checks every step as the
     # model runner would (k rule, positions, KV slots, each pass against B).
