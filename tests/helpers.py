@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from runner.simulated import SimulatedRunner
 from scheduler import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.config import GoodputSettings
 from spec_decode import SpeculativeConfig
 from spec_decode.methods import get_method
 
@@ -11,6 +12,7 @@ from spec_decode.methods import get_method
 def make_scheduler(method: str | None = None, k: int = 4, budget: int = 64,
                    max_num_seqs: int = 16, max_model_len: int = 256, block_size: int = 4,
                    num_blocks: int = 256, draft_policy: str = "fixed",
+                   goodput: GoodputSettings | None = None,
                    **kwargs: object) -> Scheduler:
     spec = SpeculativeConfig(method, k, draft_policy=draft_policy) if method else None
     sched_kwargs = {key: v for key, v in kwargs.items() if key != "enable_prefix_caching"}
@@ -18,7 +20,7 @@ def make_scheduler(method: str | None = None, k: int = 4, budget: int = 64,
         SchedulerConfig(budget, max_num_seqs, max_model_len, **sched_kwargs),  # type: ignore[arg-type]
         CacheConfig(block_size=block_size, num_blocks=num_blocks,
                     enable_prefix_caching=bool(kwargs.get("enable_prefix_caching", True))),
-        spec,
+        spec, goodput=goodput,
     )
 
 

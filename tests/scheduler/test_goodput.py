@@ -16,7 +16,7 @@ from engine.simulate import synthetic_step_time
 from runner.simulated import SimulatedRunner
 from scheduler.acceptance import AcceptanceEstimates, ForecastCheck, reaching_by_state, span_of
 from scheduler.budget import ThrottleRule
-from scheduler.config import CacheConfig, GoodputSettings, SchedulerConfig
+from scheduler.config import GoodputSettings
 from scheduler.goodput import GoodputPolicy
 from scheduler.request import (
     ALL_ACCEPTED,
@@ -35,7 +35,6 @@ from scheduler.step_cost import (
     DraftCosts,
     StepTimeModel,
 )
-from spec_decode import SpeculativeConfig
 from spec_decode.methods import get_method
 from tests.helpers import drain, make_request, make_scheduler, run_step
 
@@ -222,8 +221,9 @@ def test_unfitted_steps_fold_into_the_sums_as_if_added_one_by_one(
         price = max(float(x @ fit), 1e-6)
         if seconds <= eager.outlier_ratio * price:
             calm += 1
-        else:  # a stall after calm steps counts as 4x its price
-            seconds = min(seconds, eager.outlier_ratio * price) if calm >= _CALM_STEPS else seconds
+        else:  # over: a stall after calm steps counts as 4x its price
+            if calm >= _CALM_STEPS:
+                seconds = eager.outlier_ratio * price
             calm = 0
         if refit:
             residual = seconds - price
@@ -621,9 +621,8 @@ def stalled_workload(outlier_ratio: float) -> Scheduler:
     """16 ngram requests on an affine clock whose every 30th step stalls for a second
     (kernels compiling on a fresh engine, the host preempting it)."""
     sched = make_scheduler("ngram", k=K, budget=256, max_num_seqs=16, max_model_len=512,
-                           draft_policy="goodput")
-    sched = Scheduler(sched.config, sched.cache_config, sched.speculative_config,
-                      goodput=GoodputSettings(outlier_ratio=outlier_ratio))
+                           draft_policy="goodput",
+                           goodput=GoodputSettings(outlier_ratio=outlier_ratio))
     clock, calls = synthetic_step_time(0.02, 0.0005), [0]
 
     def stalling(rows: dict[str, int]) -> float:
@@ -655,9 +654,9 @@ def launch_bound_workload(step_prior: str, seed: int) -> Scheduler:
     """32 eagle requests, 16 at a time, K <= 2, on a GPU's clock (a step 12 ms whatever
     its rows, a head's pass 1.3 ms: an H200's, README), each draft accepted 0.42 of the
     time: drafting k = 1-2 for everyone gains 10-20 % there."""
-    sched = Scheduler(SchedulerConfig(512, 16, 1024), CacheConfig(16, 4096),
-                      SpeculativeConfig("eagle", 2, draft_policy="goodput"),
-                      goodput=GoodputSettings(step_prior=step_prior))
+    sched = make_scheduler("eagle", k=2, budget=512, max_num_seqs=16, max_model_len=1024,
+                           block_size=16, num_blocks=4096, draft_policy="goodput",
+                           goodput=GoodputSettings(step_prior=step_prior))
     runner = SimulatedRunner(sched, acceptance=0.42, seed=seed,
                              step_time=synthetic_step_time(0.012, 0.000005, 0.0013))
     for i in range(32):
@@ -903,4 +902,3 @@ def test_a_sequential_drafter_may_draft_everyone_shallow() -> None:
     got = gp.caps(history([100] * 4), np.full(4, 50),
                   np.array([ALL_ACCEPTED] + [NONE_ACCEPTED] * 3), np.full(4, K))
     assert got.tolist() == [1, 1, 1, 1]
-
