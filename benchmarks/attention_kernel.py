@@ -1,10 +1,14 @@
-"""Paged attention time per forward: the torch path vs the Triton kernel, in milliseconds.
+"""Paged attention time per forward: the torch path vs the compiled kernel of each device
+(Triton on CUDA, runner/attention/cpu_kernel.py on the CPU), in milliseconds.
 
 Shapes are SmolLM2-135M's attention (9 query heads over 3 KV heads, head_dim 64) with
 block_size 16 and shuffled block tables; each timed call includes the K/V cache write.
 On CUDA (bf16): decode batches of 1/8/32/128 requests at context 1k and 4k, and one
-512-token prefill, with torch/triton ratios and the largest output difference. On CPU
-only the torch path is timed, on a small fp32 batch: the Triton path needs CUDA.
+512-token prefill, with torch/triton ratios and the largest output difference. On the
+CPU, in the serving dtype (bfloat16 where native): decodes of 1/16/64 requests at 256
+keys and 64 at 1k, 16 verifications of 5 rows, a 512-row prefill and a 256-row chunk
+after 1k cached keys, torch/cpu ratios. The torch path's time reuses its plan (one per
+pass, shared by every layer); `torch_plan_ms` is the plan.
 
     python benchmarks/attention_kernel.py [--quick] [--out PATH]
 """
@@ -35,7 +39,9 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results" / "attention_kernel.json"
 CUDA_CASES = [("decode", b, ctx, 1) for ctx in (1024, 4096) for b in (1, 8, 32, 128)]
 CUDA_CASES.append(("prefill", 1, 512, 512))
 CUDA_QUICK = [("decode", 8, 1024, 1), ("prefill", 1, 512, 512)]
-CPU_CASES = [("decode", 1, 256, 1), ("decode", 8, 256, 1), ("prefill", 1, 128, 128)]
+CPU_CASES = [("decode", 1, 256, 1), ("decode", 16, 256, 1), ("decode", 64, 256, 1),
+             ("decode", 64, 1024, 1), ("verify", 16, 256, 5), ("prefill", 1, 512, 512),
+             ("chunk", 1, 1280, 256)]
 CPU_QUICK = [("decode", 2, 64, 1), ("prefill", 1, 32, 32)]
 
 
@@ -113,10 +119,11 @@ def run_case(case: tuple[str, int, int, int], backends: dict[str, AttentionBacke
             return backend._split(meta, shape)
 
         record["torch_plan_ms"] = round(time_ms(plan, warmup, repeats), 4)
-    if "triton" in outs:
-        diff = (outs["triton"].float() - outs["torch"].float()).abs().max().item()
-        record["max_abs_diff"] = float(f"{diff:.3g}")
-        record["torch_over_triton"] = round(record["torch_ms"] / record["triton_ms"], 2)
+    for kernel in ("triton", "cpu"):
+        if kernel in outs:
+            diff = (outs[kernel].float() - outs["torch"].float()).abs().max().item()
+            record["max_abs_diff"] = float(f"{diff:.3g}")
+            record[f"torch_over_{kernel}"] = round(record["torch_ms"] / record[f"{kernel}_ms"], 2)
     return record
 
 
@@ -132,7 +139,15 @@ def main(argv: list[str] | None = None) -> dict:
         device, dtype, cases = "cuda", torch.bfloat16, CUDA_QUICK if args.quick else CUDA_CASES
         triton_note = "timed"
     else:
-        device, dtype, cases = "cpu", torch.float32, CPU_QUICK if args.quick else CPU_CASES
+        from runner.attention import cpu_kernel
+        from runner.config import RunnerConfig
+
+        if cpu_kernel.available():
+            from runner.attention.cpu_paged import CpuPagedAttention
+
+            backends["cpu"] = CpuPagedAttention()
+        dtype = RunnerConfig().torch_dtype  # what the CPU serves in
+        device, cases = "cpu", CPU_QUICK if args.quick else CPU_CASES
         triton_note = "not timed: the Triton path needs CUDA (interpreted Triton is no timing)"
     warmup, repeats = (1, 3) if args.quick else (3, 20)
     records = [run_case(c, backends, dtype, device, warmup, repeats) for c in cases]
@@ -153,9 +168,11 @@ def main(argv: list[str] | None = None) -> dict:
     }
     write_report(args.out, report)
     for r in records:
-        extra = (f"  triton {r['triton_ms']:8.3f} ms  torch/triton {r['torch_over_triton']:.2f}x"
-                 if "triton_ms" in r else "")
+        kernel = next((k for k in ("triton", "cpu") if f"{k}_ms" in r), None)
+        extra = (f"  {kernel} {r[f'{kernel}_ms']:8.3f} ms  torch/{kernel} "
+                 f"{r[f'torch_over_{kernel}']:.2f}x" if kernel else "")
         print(f"{r['case']:<8}batch {r['batch']:>4}  context {r['context']:>5}  "
+              f"rows {r['query_tokens']:>4}  "
               f"torch {r['torch_ms']:8.3f} ms (plan {r['torch_plan_ms']:.3f}){extra}")
     print(f"triton: {triton_note}\nwrote {args.out}")
     return report

@@ -19,7 +19,9 @@ class RunnerConfig:
     """Which model, where, and how much memory the KV cache may take.
 
     `model`: a Hugging Face-style directory, or None / "smollm2-135m" for the default.
-    `attention_backend`: "torch", "triton", or "auto" (triton on CUDA, torch elsewhere).
+    `attention_backend`: "cpu", "torch", "triton", or "auto": triton on CUDA; on the
+    CPU the compiled kernel (runner/attention/cpu_kernel.py) for float32 and bfloat16
+    where a C compiler builds it, else torch (the plain-torch path, any device).
     `dtype`: "auto" (bfloat16 where the hardware computes it natively, else float32;
     runner/dtype.py), or one of DTYPES.
     `quantization`: None, or "int8" (CPU: int8 weights, per-row int8 activations,
@@ -37,9 +39,12 @@ class RunnerConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"RunnerConfig.dtype must be auto or one of "
                              f"{', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError("RunnerConfig.attention_backend must be auto, torch or triton, "
-                             f"got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
+            raise ValueError("RunnerConfig.attention_backend must be auto, cpu, torch or "
+                             f"triton, got {self.attention_backend!r}")
+        if self.attention_backend == "cpu" and not self.device.startswith("cpu"):
+            raise ValueError("RunnerConfig.attention_backend=cpu runs on the CPU only, got "
+                             f"device {self.device!r}")
         if self.quantization not in (None, "int8"):
             raise ValueError("RunnerConfig.quantization must be None or int8, got "
                              f"{self.quantization!r}")
@@ -71,7 +76,11 @@ class RunnerConfig:
     def backend_name(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "triton" if self.device.startswith("cuda") else "torch"
+        if self.device.startswith("cuda"):
+            return "triton"
+        from runner.attention.cpu_kernel import DTYPES, available
+
+        return "cpu" if self.dtype_choice.dtype in DTYPES and available() else "torch"
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,

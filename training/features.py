@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from runner.attention import AttentionMetadata, get_attention_backend
+from runner.config import RunnerConfig
 from runner.models.llama import LlamaForCausalLM
 from scheduler.kv_cache_manager import cdiv
 
@@ -44,8 +45,12 @@ def target_features(model: LlamaForCausalLM, windows: torch.Tensor,
         seq_lens=torch.full((num,), length, dtype=torch.int32, device=device),
         block_table=block_table, slot_mapping=slots, max_query_len=length,
         max_seq_len=length, query_start_loc_cpu=starts, seq_lens_cpu=[length] * num)
+    # The attention the runner serves this model with ("auto"), so these features are
+    # the ones generation captures and serving feeds the head.
+    backend = RunnerConfig(device=device.type,
+                           dtype=str(model_dtype).removeprefix("torch.")).backend_name
     hidden, aux = model.forward_with_aux(windows.reshape(-1).to(device), positions, kv, meta,
-                                         get_attention_backend("torch"), aux_layer_ids)
+                                         get_attention_backend(backend), aux_layer_ids)
     labels = model.compute_logits(hidden).argmax(dim=-1)
     return (aux.to(dtype).view(num, length, -1).cpu(), labels.view(num, length).cpu(),
             hidden.to(dtype).view(num, length, -1).cpu())

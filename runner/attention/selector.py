@@ -9,7 +9,8 @@ import importlib
 from runner.attention.backend import AttentionBackend
 
 BACKENDS = {
-    "torch": "runner.attention.torch_paged:TorchPagedAttention",  # any device; CPU runtime
+    "cpu": "runner.attention.cpu_paged:CpuPagedAttention",  # CPU runtime (compiled kernel)
+    "torch": "runner.attention.torch_paged:TorchPagedAttention",  # any device; CPU fallback
     "triton": "runner.attention.triton_paged:TritonPagedAttention",  # CUDA
 }
 

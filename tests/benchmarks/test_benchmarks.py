@@ -482,3 +482,19 @@ def test_request_spread_tells_alike_requests_from_spread_ones() -> None:
     apart = request_spread.spread_figures(verified, np.repeat([0, 30], 20))
     assert alike["learnt_weight"] == 64.0 and apart["learnt_weight"] == 1.0
     assert apart["dispersion"] > 10 * alike["dispersion"]
+
+
+@pytest.mark.model
+def test_data_rate_quick(tmp_path: Path) -> None:
+    """Both attention backends generate the same kind of data, and the rates are what
+    the runs measured."""
+    from benchmarks import data_rate
+
+    report = data_rate.main(["--quick", "--out", str(tmp_path / "d.json")])
+    assert set(report["runs"]) == {"cpu", "torch"}
+    for runs in report["runs"].values():
+        for run in runs:
+            assert run["answer_tokens"] > 0 and run["labelled"] > 0
+            assert run["tokens_per_s"] == pytest.approx(run["answer_tokens"] / run["seconds"],
+                                                        rel=0.01, abs=0.1)
+    assert report["ratio_to_cpu"]["cpu"] == 1.0

@@ -124,8 +124,8 @@ def dense_reference(batch: Batch, scale: float) -> torch.Tensor:
 def run(backend_name: str, batch: Batch, scale: float, **kwargs: int
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Output and the caches it wrote, on fresh copies of the batch's caches."""
-    if backend_name == "torch":
-        backend: AttentionBackend = TorchPagedAttention()
+    if backend_name in ("torch", "cpu"):
+        backend: AttentionBackend = get_attention_backend(backend_name)
     else:
         from runner.attention.triton_paged import TritonPagedAttention
 
@@ -224,9 +224,10 @@ class RowProbe:
     """Requests over one random paged cache (9 query heads over 3 KV heads, like the
     default model); `rows` attends a batch and returns each (request, position)'s row."""
 
-    def __init__(self, dtype: torch.dtype, seed: int = 0) -> None:
+    def __init__(self, dtype: torch.dtype, seed: int = 0, backend: str = "torch") -> None:
         gen = torch.Generator().manual_seed(seed)
         self.dtype = dtype
+        self.backend = backend
         self.key_cache = torch.randn(320, 16, 3, 64, generator=gen).to(dtype)
         self.value_cache = torch.randn(320, 16, 3, 64, generator=gen).to(dtype)
         self.tables = [torch.randperm(320, generator=gen)[:128].int() for _ in range(12)]
@@ -248,8 +249,8 @@ class RowProbe:
         query = torch.stack([self.queries[r, p] for r, p in positions])
         key = self.key_cache.view(-1, 3, 64)[slots].clone()
         value = self.value_cache.view(-1, 3, 64)[slots].clone()
-        out = TorchPagedAttention().forward(query, key, value, self.key_cache,
-                                            self.value_cache, meta, 0.125)
+        out = get_attention_backend(self.backend).forward(query, key, value, self.key_cache,
+                                                          self.value_cache, meta, 0.125)
         return dict(zip(positions, out, strict=True))
 
 
@@ -370,3 +371,6 @@ def test_attention_benchmark_quick(tmp_path: Path) -> None:
     assert all(r["torch_plan_ms"] > 0 for r in report["results"])  # timed apart
     if not torch.cuda.is_available():
         assert "CUDA" in report["triton"]
+        # the CPU's compiled kernel, timed beside the torch path and compared with it
+        assert all(r["cpu_ms"] > 0 and r["torch_over_cpu"] > 0 for r in report["results"])
+        assert all(r["max_abs_diff"] < 0.05 for r in report["results"])

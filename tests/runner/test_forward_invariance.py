@@ -80,7 +80,7 @@ class RowCountLeaks(AttentionBackend):
     name = "leaky"
 
     def __init__(self) -> None:
-        self.inner = get_attention_backend("torch")
+        self.inner = get_attention_backend("cpu")
 
     def forward(self, query, key, value, key_cache, value_cache,  # type: ignore[no-untyped-def]
                 meta, scale):
@@ -131,9 +131,13 @@ def _decode_then_verify(model: LlamaForCausalLM, attn: AttentionBackend,
     return decoded, verified
 
 
+BACKENDS = ["cpu", "torch"]  # the CPU runtime's compiled kernel, and its fallback
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_verification_rows_equal_one_row_decodes(
-        model: LlamaForCausalLM, prompts: tuple[list[int], list[int]]) -> None:
-    decoded, verified = _decode_then_verify(model, get_attention_backend("torch"), prompts)
+        model: LlamaForCausalLM, prompts: tuple[list[int], list[int]], backend: str) -> None:
+    decoded, verified = _decode_then_verify(model, get_attention_backend(backend), prompts)
     assert model.kernel_choice is not None and model.kernel_choice.row_invariant
     for i, row in enumerate(decoded):
         assert torch.equal(row[0], verified[i]), (
@@ -152,15 +156,16 @@ def _last_row(model: LlamaForCausalLM, attn: AttentionBackend, prompt: list[int]
     return logits[-1]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_prompts_last_row_is_the_same_however_it_was_chunked(
-        model: LlamaForCausalLM, prompts: tuple[list[int], list[int]]) -> None:
+        model: LlamaForCausalLM, prompts: tuple[list[int], list[int]], backend: str) -> None:
     # 215 tokens: long chunks (over BATCHED_MAX_QUERY rows) and short tails, past the
     # 193 keys where this machine's BLAS splits a sum.
     prompt = (prompts[0] + prompts[1]) * 5
     size = len(prompt)
-    whole = _last_row(model, get_attention_backend("torch"), prompt, [size])
+    whole = _last_row(model, get_attention_backend(backend), prompt, [size])
     for chunks in ([40, size - 40], [size - 20, 20], [size - 1, 1], [128, 33, size - 161]):
-        row = _last_row(model, get_attention_backend("torch"), prompt, chunks)
+        row = _last_row(model, get_attention_backend(backend), prompt, chunks)
         assert torch.equal(whole, row), (
             f"{model.lm_head.weight.dtype}, chunks {chunks}: the last row differs by "
             f"{(whole.float() - row.float()).abs().max().item():.3g}")

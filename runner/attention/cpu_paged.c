@@ -1,0 +1,284 @@
+/* Causal paged attention for the CPU, one row's arithmetic fixed whatever shares its pass.
+ *
+ * Built at first use by runner/attention/cpu_kernel.py (gcc -O3 -march=native -fopenmp
+ * -ffp-contract=off) and called through ctypes; the Python side documents the contract.
+ *
+ * Each query row's result is a function of its own query and its own keys and values
+ * only, computed in an order fixed by key index: a score is a fused multiply-add chain
+ * over the head dimension in order; the softmax's maximum is exact and its sum, like
+ * the weighted sum of values, is a chain over keys in order. Work is split into items of (request, KV head, tile of
+ * query rows) and a tile changes only which rows share a key's conversion to float32,
+ * never a row's arithmetic: so a row is bitwise the same alone, in any batch, and in a
+ * prefill chunk cut anywhere (what greedy speculative decoding needs to equal plain
+ * decoding). Contraction is off, so the compiler fuses nothing the code does not ask
+ * for with fmaf, and vector and scalar code give the same bits.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define LANES 16
+#define KEY_GROUP 8 /* keys whose scores are computed together */
+#define PREFETCH_AHEAD 8 /* values fetched this many keys ahead */
+#define ROW_TILE 16 /* query rows per item: a long chunk's keys are read once per tile */
+
+/* Sixteen float lanes. A vector multiply-add is fmaf lane by lane: the intrinsic where
+ * the machine has AVX-512, else the libm call per lane; either gives the same bits. */
+typedef float vec __attribute__((vector_size(64)));
+
+static inline vec load_vec(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store_vec(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+static inline vec fma_vec(vec a, float b, vec c) {
+#ifdef __AVX512F__
+    return (vec)_mm512_fmadd_ps((__m512)a, _mm512_set1_ps(b), (__m512)c);
+#else
+    for (int l = 0; l < LANES; l++) c[l] = fmaf(a[l], b, c[l]);
+    return c;
+#endif
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* exp(x) for x <= 0 (a score less the row's maximum): Cody-Waite reduction and the
+ * Cephes polynomial, ~1 ulp; only IEEE basic operations, so it vectorises and gives
+ * the same bits in vector and scalar code. */
+static inline float exp_nonpositive(float x) {
+    x = x > -87.0f ? x : -87.0f;
+    /* round to nearest by the 1.5 * 2^23 trick: floorf does not vectorise here */
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = fmaf(n, -0.693359375f, x);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float z = r * r;
+    float y = 1.9875691500e-4f;
+    y = fmaf(y, r, 1.3981999507e-3f);
+    y = fmaf(y, r, 8.3334519073e-3f);
+    y = fmaf(y, r, 4.1665795894e-2f);
+    y = fmaf(y, r, 1.6666665459e-1f);
+    y = fmaf(y, r, 5.0000001201e-1f);
+    y = fmaf(y, z, r + 1.0f);
+    int32_t e = (int32_t)n + 127;
+    uint32_t bits = (uint32_t)e << 23;
+    float s;
+    memcpy(&s, &bits, 4);
+    return y * s;
+}
+
+typedef struct {
+    int32_t req, kv_head, first_row, rows;
+} Item;
+
+typedef struct {
+    const void *query, *key_cache, *value_cache;
+    void *out;
+    const int32_t *block_table, *query_start_loc, *seq_lens;
+    int64_t table_stride, query_stride;
+    int32_t num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+} Args;
+
+/* Scratch one item needs, in floats (the slots' int64s counted as two floats each). */
+static size_t item_scratch(int64_t nq, int64_t nkeys, int64_t head_dim) {
+    int64_t nqp = (nq + LANES - 1) / LANES * LANES;
+    return (size_t)(head_dim * nqp + nkeys * nqp + nq * head_dim + head_dim * (KEY_GROUP + 1)
+                    + 2 * nkeys + 2);
+}
+
+static inline void row_f32(const void *base, int64_t index, int bf16, int D, float *dst) {
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)base + index;
+        for (int d = 0; d < D; d++) dst[d] = bf16_to_f32(src[d]);
+    } else {
+        memcpy(dst, (const float *)base + index, sizeof(float) * (size_t)D);
+    }
+}
+
+/* Cache rows are read in key order but scattered over blocks: fetched ahead of use. */
+static inline void prefetch_row(const void *base, int64_t index, int bf16, int D) {
+    const char *p = (const char *)base + index * (bf16 ? 2 : 4);
+    for (int64_t b = 0; b < (int64_t)D * (bf16 ? 2 : 4); b += 64) __builtin_prefetch(p + b);
+}
+
+/* One item: the tile's query rows of every query head on this KV head. Scores are laid
+ * out key-major with query lanes ([key][query]), so a key's row is read once and each
+ * of its elements multiplies every query of the tile in one vector; a score is still a
+ * multiply-add chain over the head dimension in order, whatever lane it sits in. */
+static inline void run_item(const Args *a, Item it, float *scratch, int bf16) {
+    const int D = a->head_dim, Hkv = a->num_kv_heads, G = a->num_heads / Hkv;
+    const int32_t q0 = a->query_start_loc[it.req];
+    const int32_t pos0 = a->seq_lens[it.req] - (a->query_start_loc[it.req + 1] - q0);
+    const int nq = it.rows * G, nqp = (nq + LANES - 1) / LANES * LANES;
+    const int32_t nkeys = pos0 + it.first_row + it.rows; /* the tile's last row sees these */
+    float *qt = scratch;                        /* [D][nqp] queries, transposed */
+    float *st = qt + (int64_t)D * nqp;          /* [nkeys][nqp] scores, then weights */
+    float *acc = st + (int64_t)nkeys * nqp;     /* [nq][D] */
+    float *row = acc + (int64_t)nq * D;         /* [D] one value in float32 */
+    float *keys = row + D;                      /* [KEY_GROUP][D] keys in float32 */
+    int64_t *slot = (int64_t *)(keys + (int64_t)KEY_GROUP * D + (D & 1)); /* [nkeys] */
+    const int32_t *table = a->block_table + (int64_t)it.req * a->table_stride;
+    const int64_t kv_row = (int64_t)Hkv * D, head = (int64_t)it.kv_head * D;
+    for (int32_t t = 0, b = 0; t < nkeys; b++) {
+        const int64_t base = (int64_t)table[b] * a->block_size;
+        for (int32_t o = 0; o < a->block_size && t < nkeys; o++, t++)
+            slot[t] = (base + o) * kv_row + head;
+    }
+    memset(qt, 0, sizeof(float) * (size_t)D * nqp);
+    for (int r = 0; r < it.rows; r++)
+        for (int g = 0; g < G; g++) {
+            row_f32(a->query, (int64_t)(q0 + it.first_row + r) * a->query_stride
+                              + (int64_t)(it.kv_head * G + g) * D, bf16, D, row);
+            for (int d = 0; d < D; d++) qt[(int64_t)d * nqp + r * G + g] = row[d];
+        }
+    /* Keys in groups of KEY_GROUP: their chains run side by side (one chain is bound by
+     * the multiply-add's latency), each still over the head dimension in order. */
+    memset(keys, 0, sizeof(float) * (size_t)KEY_GROUP * D); /* a short last group reads 0s */
+    for (int32_t t0 = 0; t0 < nkeys; t0 += KEY_GROUP) {
+        const int n = nkeys - t0 < KEY_GROUP ? nkeys - t0 : KEY_GROUP;
+        for (int j = 0; j < n; j++) row_f32(a->key_cache, slot[t0 + j], bf16, D, keys + j * D);
+        for (int32_t j = t0 + KEY_GROUP; j < nkeys && j < t0 + 2 * KEY_GROUP; j++)
+            prefetch_row(a->key_cache, slot[j], bf16, D);
+        for (int c = 0; c < nqp; c += LANES) {
+            vec s[KEY_GROUP] = {{0}};
+            for (int d = 0; d < D; d++) {
+                const vec q = load_vec(qt + (int64_t)d * nqp + c);
+                for (int j = 0; j < KEY_GROUP; j++) s[j] = fma_vec(q, keys[j * D + d], s[j]);
+            }
+            for (int j = 0; j < n; j++) store_vec(st + (int64_t)(t0 + j) * nqp + c, s[j] * a->scale);
+        }
+    }
+    /* Softmax down each query's column, 16 lanes at a time; padding lanes see no key. */
+    float total[nqp];
+    for (int c = 0; c < nqp; c += LANES) {
+        int32_t valid[LANES];
+        float top[LANES], sum[LANES];
+        for (int l = 0; l < LANES; l++) {
+            valid[l] = c + l < nq ? pos0 + it.first_row + (c + l) / G + 1 : 0;
+            top[l] = -INFINITY;
+            sum[l] = 0.0f;
+        }
+        for (int32_t t = 0; t < nkeys; t++) {
+            const float *s = st + (int64_t)t * nqp + c;
+            for (int l = 0; l < LANES; l++) top[l] = t < valid[l] && s[l] > top[l] ? s[l] : top[l];
+        }
+        for (int32_t t = 0; t < nkeys; t++) {
+            float *s = st + (int64_t)t * nqp + c;
+            for (int l = 0; l < LANES; l++) {
+                /* computed for every lane (a vector), kept where the key is seen */
+                const float e = exp_nonpositive(s[l] - top[l]);
+                const float p = t < valid[l] ? e : 0.0f;
+                s[l] = p;
+                sum[l] += p; /* past a row's last key: + 0, nothing */
+            }
+        }
+        for (int l = 0; l < LANES; l++) total[c + l] = sum[l];
+    }
+    memset(acc, 0, sizeof(float) * (size_t)nq * D);
+    for (int32_t t = 0; t < nkeys; t++) {
+        if (t + PREFETCH_AHEAD < nkeys) prefetch_row(a->value_cache, slot[t + PREFETCH_AHEAD], bf16, D);
+        row_f32(a->value_cache, slot[t], bf16, D, row);
+        const float *w = st + (int64_t)t * nqp;
+        for (int i = 0; i < nq; i++) {
+            float *o = acc + (int64_t)i * D; /* weight 0 past a row's last key: o unchanged */
+            for (int d = 0; d < D; d++) o[d] = fmaf(w[i], row[d], o[d]);
+        }
+    }
+    for (int r = 0; r < it.rows; r++)
+        for (int g = 0; g < G; g++) {
+            const int i = r * G + g;
+            const int64_t at = (int64_t)(q0 + it.first_row + r) * a->num_heads * D
+                               + (int64_t)(it.kv_head * G + g) * D;
+            const float *o = acc + (int64_t)i * D;
+            if (bf16) {
+                uint16_t *dst = (uint16_t *)a->out + at;
+                for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(o[d] / total[i]);
+            } else {
+                float *dst = (float *)a->out + at;
+                for (int d = 0; d < D; d++) dst[d] = o[d] / total[i];
+            }
+        }
+}
+
+static void item_f32(const Args *a, Item it, float *scratch) { run_item(a, it, scratch, 0); }
+static void item_bf16(const Args *a, Item it, float *scratch) { run_item(a, it, scratch, 1); }
+
+/* dtype: 0 float32, 1 bfloat16. Returns 0, or -1 when scratch could not be allocated. */
+int specbudget_paged_attention(int dtype, const void *query, int64_t query_stride,
+                               const void *key_cache, const void *value_cache, void *out,
+                               const int32_t *block_table, int64_t table_stride,
+                               const int32_t *query_start_loc, const int32_t *seq_lens,
+                               int32_t num_reqs, int32_t num_heads, int32_t num_kv_heads,
+                               int32_t head_dim, int32_t block_size, float scale) {
+    Args a = {query, key_cache, value_cache, out, block_table, query_start_loc, seq_lens,
+              table_stride, query_stride, num_heads, num_kv_heads, head_dim, block_size,
+              scale};
+    int64_t num_items = 0;
+    for (int32_t i = 0; i < num_reqs; i++) {
+        int32_t rows = query_start_loc[i + 1] - query_start_loc[i];
+        num_items += (int64_t)num_kv_heads * ((rows + ROW_TILE - 1) / ROW_TILE);
+    }
+    Item *items = malloc(sizeof(Item) * (size_t)(num_items ? num_items : 1));
+    if (!items) return -1;
+    int64_t n = 0;
+    for (int32_t i = 0; i < num_reqs; i++) {
+        int32_t rows = query_start_loc[i + 1] - query_start_loc[i];
+        for (int32_t first = 0; first < rows; first += ROW_TILE)
+            for (int32_t h = 0; h < num_kv_heads; h++) {
+                Item it = {i, h, first, rows - first < ROW_TILE ? rows - first : ROW_TILE};
+                items[n++] = it;
+            }
+    }
+    int failed = 0;
+    const int group = num_heads / num_kv_heads;
+#pragma omp parallel
+    {
+        float *scratch = NULL;
+        size_t held = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t j = 0; j < num_items; j++) {
+            Item it = items[j];
+            int32_t q0 = query_start_loc[it.req];
+            int32_t rows_total = query_start_loc[it.req + 1] - q0;
+            int32_t nkeys = seq_lens[it.req] - rows_total + it.first_row + it.rows;
+            size_t need = item_scratch((int64_t)it.rows * group, nkeys, head_dim);
+            if (need > held) {
+                free(scratch);
+                scratch = malloc(sizeof(float) * need);
+                held = scratch ? need : 0;
+            }
+            if (!scratch) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            if (dtype == 1)
+                item_bf16(&a, it, scratch);
+            else
+                item_f32(&a, it, scratch);
+        }
+        free(scratch);
+    }
+    free(items);
+    return failed ? -1 : 0;
+}

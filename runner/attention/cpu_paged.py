@@ -1,0 +1,71 @@
+"""Paged attention on the CPU through the compiled kernel (cpu_kernel.py, cpu_paged.c).
+
+The same contract as the torch path (a row's result the same alone, in any batch and in
+any chunking of its prompt) from a kernel whose per-row arithmetic is fixed, not from
+shaping BLAS calls: one call per layer, keys read once per tile of query rows in the
+cache's dtype, no float32 copies of the keys, no padding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from runner.attention.backend import AttentionBackend, write_kv
+from runner.attention.cpu_kernel import DTYPES, load
+from runner.attention.metadata import AttentionMetadata
+
+
+class CpuPagedAttention(AttentionBackend):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        lib, why = load()
+        if lib is None:
+            raise RuntimeError(f"the cpu attention backend needs its kernel: {why}")
+        self._fn = lib.specbudget_paged_attention
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        _check(query, key_cache, value_cache, meta)  # before anything is written
+        num_tokens = meta.num_actual_tokens
+        write_kv(key[:num_tokens], value[:num_tokens], key_cache, value_cache,
+                 meta.slot_mapping[:num_tokens])
+        query = query[:num_tokens]
+        if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
+            query = query.contiguous()
+        out = torch.empty((num_tokens, *query.shape[1:]), dtype=query.dtype)
+        table = meta.block_table
+        _, block_size, num_kv_heads, head_dim = key_cache.shape
+        status = self._fn(DTYPES[str(query.dtype).removeprefix("torch.")], query.data_ptr(),
+                          query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+                          out.data_ptr(), table.data_ptr(), table.stride(0),
+                          meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
+                          meta.num_reqs, query.shape[1], num_kv_heads, head_dim, block_size,
+                          ctypes.c_float(scale))
+        if status != 0:
+            raise MemoryError("cpu attention kernel could not allocate its scratch")
+        return out
+
+
+def _check(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+           meta: AttentionMetadata) -> None:
+    """What the kernel assumes of its inputs, refused by name (it reads raw pointers)."""
+    if query.device.type != "cpu":
+        raise ValueError(f"the cpu attention backend runs on the CPU, got {query.device}")
+    dtype = str(query.dtype).removeprefix("torch.")
+    if dtype not in DTYPES or key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        raise ValueError(f"the cpu attention backend takes {' or '.join(DTYPES)} queries and "
+                         f"caches of the same dtype, got {query.dtype}, {key_cache.dtype}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("the cpu attention backend needs contiguous KV caches")
+    if query.shape[1] % key_cache.shape[2]:
+        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of KV heads "
+                         f"({key_cache.shape[2]})")
+    for name, t in (("query_start_loc", meta.query_start_loc), ("seq_lens", meta.seq_lens),
+                    ("block_table", meta.block_table)):
+        if t.dtype != torch.int32 or t.device.type != "cpu" or t.stride(-1) != 1:
+            raise ValueError(f"the cpu attention backend needs {name} as a CPU int32 "
+                             f"tensor with unit stride, got {t.dtype} on {t.device}")
