@@ -23,7 +23,6 @@
 
 #define LANES 16
 #define KEY_GROUP 8 /* keys whose scores are computed together */
-#define PREFETCH_AHEAD 8 /* values fetched this many keys ahead */
 #define ROW_TILE 16 /* query rows per item: a long chunk's keys are read once per tile */
 
 /* Sixteen float lanes. A vector multiply-add is fmaf lane by lane: the intrinsic where
@@ -135,7 +134,7 @@ static inline void run_item(const Args *a, Item it, float *scratch, int bf16) {
     float *st = qt + (int64_t)D * nqp;          /* [nkeys][nqp] scores, then weights */
     float *acc = st + (int64_t)nkeys * nqp;     /* [nq][D] */
     float *row = acc + (int64_t)nq * D;         /* [D] one value in float32 */
-    float *keys = row + D;                      /* [KEY_GROUP][D] keys in float32 */
+    float *keys = row + D;                      /* [KEY_GROUP][D] keys, then values */
     int64_t *slot = (int64_t *)(keys + (int64_t)KEY_GROUP * D + (D & 1)); /* [nkeys] */
     const int32_t *table = a->block_table + (int64_t)it.req * a->table_stride;
     const int64_t kv_row = (int64_t)Hkv * D, head = (int64_t)it.kv_head * D;
@@ -194,14 +193,25 @@ static inline void run_item(const Args *a, Item it, float *scratch, int bf16) {
         }
         for (int l = 0; l < LANES; l++) total[c + l] = sum[l];
     }
+    /* Values in groups of KEY_GROUP too: a row's accumulator is loaded once a group and
+     * its chain still runs over keys in order (weight 0 past a row's last key: no change). */
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
-    for (int32_t t = 0; t < nkeys; t++) {
-        if (t + PREFETCH_AHEAD < nkeys) prefetch_row(a->value_cache, slot[t + PREFETCH_AHEAD], bf16, D);
-        row_f32(a->value_cache, slot[t], bf16, D, row);
-        const float *w = st + (int64_t)t * nqp;
+    for (int32_t t0 = 0; t0 < nkeys; t0 += KEY_GROUP) {
+        const int n = nkeys - t0 < KEY_GROUP ? nkeys - t0 : KEY_GROUP;
+        for (int j = 0; j < n; j++) row_f32(a->value_cache, slot[t0 + j], bf16, D, keys + j * D);
+        for (int32_t j = t0 + KEY_GROUP; j < nkeys && j < t0 + 2 * KEY_GROUP; j++)
+            prefetch_row(a->value_cache, slot[j], bf16, D);
+        const float *w = st + (int64_t)t0 * nqp;
         for (int i = 0; i < nq; i++) {
-            float *o = acc + (int64_t)i * D; /* weight 0 past a row's last key: o unchanged */
-            for (int d = 0; d < D; d++) o[d] = fmaf(w[i], row[d], o[d]);
+            float *o = acc + (int64_t)i * D;
+            int d = 0;
+            for (; d + LANES <= D; d += LANES) {
+                vec v = load_vec(o + d);
+                for (int j = 0; j < n; j++) v = fma_vec(load_vec(keys + j * D + d), w[j * nqp + i], v);
+                store_vec(o + d, v);
+            }
+            for (; d < D; d++)
+                for (int j = 0; j < n; j++) o[d] = fmaf(keys[j * D + d], w[j * nqp + i], o[d]);
         }
     }
     for (int r = 0; r < it.rows; r++)
