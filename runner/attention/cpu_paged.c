@@ -233,13 +233,41 @@ static inline void run_item(const Args *a, Item it, float *scratch, int bf16) {
 static void item_f32(const Args *a, Item it, float *scratch) { run_item(a, it, scratch, 0); }
 static void item_bf16(const Args *a, Item it, float *scratch) { run_item(a, it, scratch, 1); }
 
-/* dtype: 0 float32, 1 bfloat16. Returns 0, or -1 when scratch could not be allocated. */
+/* The kernel reads raw pointers: metadata that would send it outside the caches or the
+ * query rows is refused before anything is read (the torch path raises on such an index
+ * too). Every request has rows >= 0 ending within the query rows, a sequence that holds
+ * its rows, and blocks for its keys inside the table and the caches. */
+static int metadata_in_range(const int32_t *block_table, int64_t table_stride,
+                             int32_t table_width, const int32_t *query_start_loc,
+                             const int32_t *seq_lens, int32_t num_reqs, int64_t num_tokens,
+                             int64_t num_blocks, int32_t block_size) {
+    if (query_start_loc[0] < 0) return 0;
+    for (int32_t i = 0; i < num_reqs; i++) {
+        const int32_t rows = query_start_loc[i + 1] - query_start_loc[i];
+        if (rows < 0 || query_start_loc[i + 1] > num_tokens || seq_lens[i] < rows) return 0;
+        const int64_t blocks = ((int64_t)seq_lens[i] + block_size - 1) / block_size;
+        if (blocks > table_width) return 0;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int32_t id = block_table[(int64_t)i * table_stride + b];
+            if (id < 0 || id >= num_blocks) return 0;
+        }
+    }
+    return 1;
+}
+
+/* dtype: 0 float32, 1 bfloat16. Returns 0; -1 when scratch could not be allocated; -2
+ * for metadata out of range (refused before any key or query is read). */
 int specbudget_paged_attention(int dtype, const void *query, int64_t query_stride,
                                const void *key_cache, const void *value_cache, void *out,
                                const int32_t *block_table, int64_t table_stride,
-                               const int32_t *query_start_loc, const int32_t *seq_lens,
-                               int32_t num_reqs, int32_t num_heads, int32_t num_kv_heads,
+                               int32_t table_width, const int32_t *query_start_loc,
+                               const int32_t *seq_lens, int32_t num_reqs, int64_t num_tokens,
+                               int64_t num_blocks, int32_t num_heads, int32_t num_kv_heads,
                                int32_t head_dim, int32_t block_size, float scale) {
+    if (block_size < 1 || num_kv_heads < 1 || num_heads % num_kv_heads ||
+        !metadata_in_range(block_table, table_stride, table_width, query_start_loc, seq_lens,
+                           num_reqs, num_tokens, num_blocks, block_size))
+        return -2;
     Args a = {query, key_cache, value_cache, out, block_table, query_start_loc, seq_lens,
               table_stride, query_stride, num_heads, num_kv_heads, head_dim, block_size,
               scale};

@@ -38,13 +38,17 @@ class CpuPagedAttention(AttentionBackend):
             query = query.contiguous()
         out = torch.empty((num_tokens, *query.shape[1:]), dtype=query.dtype)
         table = meta.block_table
-        _, block_size, num_kv_heads, head_dim = key_cache.shape
+        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
         status = self._fn(DTYPES[str(query.dtype).removeprefix("torch.")], query.data_ptr(),
                           query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
-                          out.data_ptr(), table.data_ptr(), table.stride(0),
+                          out.data_ptr(), table.data_ptr(), table.stride(0), table.shape[1],
                           meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
-                          meta.num_reqs, query.shape[1], num_kv_heads, head_dim, block_size,
-                          ctypes.c_float(scale))
+                          meta.num_reqs, num_tokens, num_blocks, query.shape[1], num_kv_heads,
+                          head_dim, block_size, ctypes.c_float(scale))
+        if status == -2:
+            raise ValueError("attention metadata out of range: a request's rows, sequence "
+                             "length or block ids do not fit the query rows, its block "
+                             "table or the KV caches")
         if status != 0:
             raise MemoryError("cpu attention kernel could not allocate its scratch")
         return out
@@ -64,6 +68,11 @@ def _check(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     if query.shape[1] % key_cache.shape[2]:
         raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of KV heads "
                          f"({key_cache.shape[2]})")
+    if (meta.block_table.dim() != 2 or meta.block_table.shape[0] < meta.num_reqs
+            or meta.query_start_loc.numel() < meta.num_reqs + 1
+            or meta.seq_lens.numel() < meta.num_reqs):
+        raise ValueError(f"attention metadata holds fewer than num_reqs={meta.num_reqs} "
+                         "requests (query_start_loc, seq_lens or block_table rows)")
     for name, t in (("query_start_loc", meta.query_start_loc), ("seq_lens", meta.seq_lens),
                     ("block_table", meta.block_table)):
         if t.dtype != torch.int32 or t.device.type != "cpu" or t.stride(-1) != 1:

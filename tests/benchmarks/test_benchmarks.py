@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import scheduler_overhead, throttle_tightness
+from tests.runner.test_cpu_attention import needs_compiler
 
 
 def test_scheduler_overhead_quick(tmp_path: Path) -> None:
@@ -485,6 +486,7 @@ def test_request_spread_tells_alike_requests_from_spread_ones() -> None:
 
 
 @pytest.mark.model
+@needs_compiler
 def test_data_rate_quick(tmp_path: Path) -> None:
     """Both attention backends generate the same kind of data, and the rates are what
     the runs measured."""
@@ -498,3 +500,20 @@ def test_data_rate_quick(tmp_path: Path) -> None:
             assert run["tokens_per_s"] == pytest.approx(run["answer_tokens"] / run["seconds"],
                                                         rel=0.01, abs=0.1)
     assert report["ratio_to_cpu"]["cpu"] == 1.0
+
+
+@pytest.mark.model
+@needs_compiler
+def test_attention_engine_quick(tmp_path: Path) -> None:
+    """Each concurrency runs both backends on the same requests and reports the ratio of
+    what it measured and how many outputs matched."""
+    from benchmarks import attention_engine
+
+    report = attention_engine.main(["--quick", "--out", str(tmp_path / "e.json")])
+    assert [row["concurrency"] for row in report["results"]] == [1, 2]
+    for row in report["results"]:
+        cpu, torch_rate = row["median_tok_s"]["cpu"], row["median_tok_s"]["torch"]
+        assert cpu > 0 and torch_rate > 0
+        assert row["cpu_over_torch"] == pytest.approx(cpu / torch_rate, rel=0.01)
+        matched, total = map(int, row["identical_outputs"].split("/"))
+        assert total == row["requests"] and 0 <= matched <= total

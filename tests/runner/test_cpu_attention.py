@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,8 +27,14 @@ from tests.runner.test_attention import (
 )
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# Without a C compiler the kernel cannot be built (the torch path serves, which the
+# fallback test below checks); with one, a kernel that fails to build fails these tests.
+needs_compiler = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc")) is None,
+    reason="no C compiler on PATH: the CPU attention kernel cannot be built here")
 
 
+@needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("reqs", [MIXED, LONG], ids=["short", "long"])
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -47,6 +55,7 @@ def test_kernel_matches_dense_reference(reqs: list[tuple[int, int]], block_size:
     check_cache_writes(batch, key_cache, value_cache)
 
 
+@needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_row_is_the_same_alone_and_in_any_batch(dtype: torch.dtype) -> None:
     """The torch path's check (tests/runner/test_attention.py), on the kernel: decode
@@ -55,6 +64,7 @@ def test_a_row_is_the_same_alone_and_in_any_batch(dtype: torch.dtype) -> None:
     assert _mismatches(RowProbe(dtype, backend="cpu"), trials=120) == 0
 
 
+@needs_compiler
 def test_the_row_check_catches_a_kernel_that_reads_its_batch(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Broken on purpose: one ulp on every row when more than one request shares the
@@ -71,6 +81,7 @@ def test_the_row_check_catches_a_kernel_that_reads_its_batch(
     assert _mismatches(RowProbe(torch.float32, backend="cpu"), trials=20) > 0
 
 
+@needs_compiler
 def test_inputs_it_cannot_read_are_refused_by_name() -> None:
     backend = get_attention_backend("cpu")
     batch = make_batch(MIXED, 6, 2, 32, 4, torch.float16)
@@ -90,6 +101,27 @@ def test_inputs_it_cannot_read_are_refused_by_name() -> None:
         RunnerConfig(device="cuda", attention_backend="cpu")
 
 
+@needs_compiler
+def test_metadata_that_would_read_outside_the_caches_is_refused() -> None:
+    """The kernel reads raw pointers: a block id past the cache, a sequence shorter than
+    its rows or fewer requests than num_reqs fail by name before the kernel reads."""
+    backend = get_attention_backend("cpu")
+    for broken, message in (("block id", "out of range"), ("seq_len", "out of range"),
+                            ("num_reqs", "fewer than num_reqs=5")):
+        batch = make_batch(MIXED, 6, 2, 32, 4)
+        key_cache, value_cache = batch.clone_caches()
+        if broken == "block id":
+            batch.meta.block_table[1, 0] = key_cache.shape[0]
+        elif broken == "seq_len":
+            batch.meta.seq_lens[2] = 1  # 6 rows cannot sit in 1 position
+        else:
+            batch.meta.num_reqs += 1
+        with pytest.raises(ValueError, match=message):
+            backend.forward(batch.query, batch.key, batch.value, key_cache, value_cache,
+                            batch.meta, 0.1)
+
+
+@needs_compiler
 def test_auto_picks_the_kernel_on_the_cpu_for_its_dtypes() -> None:
     assert RunnerConfig(dtype="float32").backend_name == "cpu"
     assert RunnerConfig(dtype="bfloat16").backend_name == "cpu"
@@ -115,6 +147,7 @@ def test_without_a_compiler_auto_falls_back_to_torch(
         cpu_kernel.load.cache_clear()
 
 
+@needs_compiler
 def test_a_compile_error_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch,
                                                 tmp_path: Path) -> None:
     """A source the compiler rejects (a broken checkout) leaves the torch path serving,
@@ -132,6 +165,7 @@ def test_a_compile_error_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch,
         cpu_kernel.load.cache_clear()
 
 
+@needs_compiler
 def test_the_library_is_built_once_per_source(monkeypatch: pytest.MonkeyPatch,
                                               tmp_path: Path) -> None:
     monkeypatch.setenv("SPECBUDGET_CACHE_DIR", str(tmp_path))

@@ -24,6 +24,7 @@ from runner.model_loader import load_model
 from runner.model_prep import resolve_model
 from runner.models.kernel_select import select_linear_kernel
 from runner.models.llama import LlamaForCausalLM
+from tests.runner.test_cpu_attention import needs_compiler
 
 pytestmark = pytest.mark.model  # loads the real default model
 
@@ -80,7 +81,7 @@ class RowCountLeaks(AttentionBackend):
     name = "leaky"
 
     def __init__(self) -> None:
-        self.inner = get_attention_backend("cpu")
+        self.inner = get_attention_backend("torch")
 
     def forward(self, query, key, value, key_cache, value_cache,  # type: ignore[no-untyped-def]
                 meta, scale):
@@ -131,7 +132,8 @@ def _decode_then_verify(model: LlamaForCausalLM, attn: AttentionBackend,
     return decoded, verified
 
 
-BACKENDS = ["cpu", "torch"]  # the CPU runtime's compiled kernel, and its fallback
+# The CPU runtime's compiled kernel, and its fallback.
+BACKENDS = [pytest.param("cpu", marks=needs_compiler), "torch"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
