@@ -78,9 +78,9 @@ class RunnerConfig:
             return self.attention_backend
         if self.device.startswith("cuda"):
             return "triton"
-        from runner.attention.cpu_kernel import DTYPES, available
+        from runner.attention.cpu_kernel import KERNEL_DTYPES, available
 
-        return "cpu" if self.dtype_choice.dtype in DTYPES and available() else "torch"
+        return "cpu" if self.dtype_choice.dtype in KERNEL_DTYPES and available() else "torch"
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,

@@ -28,6 +28,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from runner.model_prep import default_cache_dir
+
 logger = logging.getLogger("specbudget.runner")
 
 SOURCE = Path(__file__).with_name("cpu_paged.c")
@@ -35,12 +37,7 @@ SOURCE = Path(__file__).with_name("cpu_paged.c")
 # scalar code (a loop's remainder) compute the same bits.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=gnu11",
          "-shared", "-fPIC")
-DTYPES = {"float32": 0, "bfloat16": 1}
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("SPECBUDGET_CACHE_DIR") or Path.home() / ".cache" / "specbudget"
-    return Path(root) / "kernels"
+KERNEL_DTYPES = {"float32": 0, "bfloat16": 1}  # torch dtype name -> the kernel's code
 
 
 def _cpu_flags() -> str:
@@ -76,7 +73,7 @@ def load() -> tuple[ctypes.CDLL | None, str]:
         key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(),
                                          "".join(version).encode(),
                                          _cpu_flags().encode()])).hexdigest()[:16]
-        target = cache_dir() / f"cpu_paged-{platform.machine()}-{key}.so"
+        target = default_cache_dir() / "kernels" / f"cpu_paged-{platform.machine()}-{key}.so"
         if not target.exists():
             _build(compiler, target)
         # torch is imported first (it is the caller), so the library's libgomp.so.1 is

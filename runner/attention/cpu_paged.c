@@ -6,8 +6,9 @@
  * Each query row's result is a function of its own query and its own keys and values
  * only, computed in an order fixed by key index: a score is a fused multiply-add chain
  * over the head dimension in order; the softmax's maximum is exact and its sum, like
- * the weighted sum of values, is a chain over keys in order. Work is split into items of (request, KV head, tile of
- * query rows) and a tile changes only which rows share a key's conversion to float32,
+ * the weighted sum of values, is a chain over keys in order. Work is split into items
+ * of (request, KV head, tile of query rows) and a tile changes only which rows share
+ * a key's conversion to float32,
  * never a row's arithmetic: so a row is bitwise the same alone, in any batch, and in a
  * prefill chunk cut anywhere (what greedy speculative decoding needs to equal plain
  * decoding). Contraction is off, so the compiler fuses nothing the code does not ask

@@ -13,7 +13,7 @@ import ctypes
 import torch
 
 from runner.attention.backend import AttentionBackend, write_kv
-from runner.attention.cpu_kernel import DTYPES, load
+from runner.attention.cpu_kernel import KERNEL_DTYPES, load
 from runner.attention.metadata import AttentionMetadata
 
 
@@ -25,11 +25,17 @@ class CpuPagedAttention(AttentionBackend):
         if lib is None:
             raise RuntimeError(f"the cpu attention backend needs its kernel: {why}")
         self._fn = lib.specbudget_paged_attention
+        # The last metadata checked: every layer of a pass shares it (runners build a
+        # fresh one per pass and never change it, as the torch path's plans assume).
+        self._checked: AttentionMetadata | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        _check(query, key_cache, value_cache, meta)  # before anything is written
+        code = _check_tensors(query, key_cache, value_cache)  # before anything is written
+        if meta is not self._checked:
+            _check_metadata(meta)
+            self._checked = meta
         num_tokens = meta.num_actual_tokens
         write_kv(key[:num_tokens], value[:num_tokens], key_cache, value_cache,
                  meta.slot_mapping[:num_tokens])
@@ -39,7 +45,7 @@ class CpuPagedAttention(AttentionBackend):
         out = torch.empty((num_tokens, *query.shape[1:]), dtype=query.dtype)
         table = meta.block_table
         num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-        status = self._fn(DTYPES[str(query.dtype).removeprefix("torch.")], query.data_ptr(),
+        status = self._fn(code, query.data_ptr(),
                           query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
                           out.data_ptr(), table.data_ptr(), table.stride(0), table.shape[1],
                           meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
@@ -54,20 +60,27 @@ class CpuPagedAttention(AttentionBackend):
         return out
 
 
-def _check(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-           meta: AttentionMetadata) -> None:
-    """What the kernel assumes of its inputs, refused by name (it reads raw pointers)."""
+def _check_tensors(query: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor) -> int:
+    """What the kernel assumes of a layer's tensors, refused by name (it reads raw
+    pointers); the kernel's code for their dtype."""
     if query.device.type != "cpu":
         raise ValueError(f"the cpu attention backend runs on the CPU, got {query.device}")
-    dtype = str(query.dtype).removeprefix("torch.")
-    if dtype not in DTYPES or key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
-        raise ValueError(f"the cpu attention backend takes {' or '.join(DTYPES)} queries and "
-                         f"caches of the same dtype, got {query.dtype}, {key_cache.dtype}")
+    code = KERNEL_DTYPES.get(str(query.dtype).removeprefix("torch."))
+    if code is None or key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        raise ValueError(f"the cpu attention backend takes {' or '.join(KERNEL_DTYPES)} "
+                         f"queries and caches of the same dtype, got {query.dtype}, "
+                         f"{key_cache.dtype}")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("the cpu attention backend needs contiguous KV caches")
     if query.shape[1] % key_cache.shape[2]:
         raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of KV heads "
                          f"({key_cache.shape[2]})")
+    return code
+
+
+def _check_metadata(meta: AttentionMetadata) -> None:
+    """The metadata's shapes and layout, once per pass (the kernel checks the values)."""
     if (meta.block_table.dim() != 2 or meta.block_table.shape[0] < meta.num_reqs
             or meta.query_start_loc.numel() < meta.num_reqs + 1
             or meta.seq_lens.numel() < meta.num_reqs):
