@@ -325,8 +325,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "picks each request's k from 0 to K (default: -k only)")
     parser.add_argument("--concurrency", default=None,
                         help="comma-separated (default 1,16; --quick: 1,4)")
-    parser.add_argument("--dtype", default="float32",
-                        help="the model's dtype: float32, bfloat16 or auto")
+    parser.add_argument("--dtype", default="auto",
+                        help="the model's dtype: float32, bfloat16 or auto (default: "
+                             "auto, the engine's own default, what a user serves with)")
     parser.add_argument("--no-warm-pass", dest="warm_pass", action="store_false",
                         help="skip the unmeasured first pass over every configuration")
     parser.add_argument("--repeats", type=int, default=1,

@@ -71,13 +71,21 @@ _REFERENCE_ROWS = 64
 # row, the drafter's per pass and per row (the changes of slope past a knot may be).
 _NONNEGATIVE = (0, 1, 2, 3 + len(KNOTS), 4 + len(KNOTS))
 _PRIOR_STEPS_BASE, _PRIOR_STEPS_KNOT = 0.01, 4.0
-# ... but a few steps behind a head's price per pass: steps that run a drafter pass
+# ... but a few steps behind a head's price per pass, and one behind its price per
+# row (and the change of that price at the first knot). Steps that run a drafter pass
 # also have its rows, so the data alone tell the two apart only slowly, and drafting
 # the whole batch is decided on them (measured: parallel at 16 running, from two
-# drafting steps the fit priced its pass at 0 and drafting for all looked free). A
-# head's pass is a layer or two, priced from measurement; a draft LM's is whatever
-# model the user drafts with, so its prior yields to the data at once.
-_PRIOR_STEPS_HEAD_PASS = 2.0
+# drafting steps the fit priced its pass at 0 and drafting for all looked free). And a
+# young fit's row swung on one step: a fresh engine's first drafter pass (a prompt
+# chunk's 38 rows in 4-7 ms) moved a row from 0.10 ms to 0.07 and bent it down past
+# the first knot, and with a young fit's spread taken off (`optimism`), catching up
+# 200-600 parked rows looked nearly free: eagle at 16 running drafted for the whole
+# batch in its first steps and ran 0.974x speculation off (README). A row's weight is
+# one step, not two: a clock 5x the prior's price must still be learnt within 5 % at
+# one row (tests/scheduler/test_goodput.py). A head is a layer or two, priced from
+# measurement; a draft LM's pass is whatever model the user drafts with, so its prior
+# yields to the data at once.
+_PRIOR_STEPS_HEAD_PASS, _PRIOR_STEPS_HEAD_ROW = 2.0, 1.0
 # Unfitted steps kept before they are added to the sums anyway (a bound: a decision
 # reads the fit at least every `GoodputSettings.max_idle_steps` steps).
 _MAX_PENDING = 64
@@ -92,14 +100,16 @@ _WARM_STEPS = 32
 def _prior_precision(drafter_kind: str) -> np.ndarray:
     """Diagonal prior precision, in the units of the fit (seconds, rows)."""
     base, knot = _PRIOR_STEPS_BASE, _PRIOR_STEPS_KNOT
-    drafting = _PRIOR_STEPS_HEAD_PASS if drafter_kind == "head" else base
+    head = drafter_kind == "head"
+    drafting = _PRIOR_STEPS_HEAD_PASS if head else base
+    row = _PRIOR_STEPS_HEAD_ROW if head else base
     rows = float(_REFERENCE_ROWS) ** 2
     # The first knot's change weighs as little as a base slope: steps on both sides of
     # it are common (4 running drafting 0-2 each), and rows from 1 to 6 differ too
-    # little for a few steps to overrule a heavier prior.
+    # little for a few steps to overrule a heavier prior; but a head's (above).
     hinges = [base * rows] + [knot * rows] * (len(KNOTS) - 1)
     target = [base, base * rows, base * rows, *hinges]
-    drafter = [drafting, base * rows, *hinges]
+    drafter = [drafting, row * rows, row * rows, *hinges[1:]]
     return np.diag(np.array(target + drafter))
 
 

@@ -111,3 +111,30 @@ def test_after_calm_steps_a_jump_is_capped_once_then_fitted() -> None:
     assert capped.num_stalls == 1
     assert float(capped.predict(8, 8, 0, 0)) == pytest.approx(
         float(uncapped.predict(8, 8, 0, 0)), rel=0.1)
+
+
+def catch_up_after_one_chunk(monkeypatch: pytest.MonkeyPatch | None = None) -> float:
+    """A fresh head's price of catching up 218 parked rows in one pass, after one step
+    as a fresh engine's first runs it (a 256-row prefill whose last chunk's 38 rows
+    also ran the head, in 4 ms where the prior says 5.4), as a share of the prior's."""
+    model = StepTimeModel("head", GoodputSettings())
+    before = float(model.predict(6, 6, 218, 1) - model.predict(6, 6, 0, 0))
+    model.observe(256, 5, 38, 1, 0.19, drafter_seconds=0.004)
+    return float(model.predict(6, 6, 218, 1) - model.predict(6, 6, 0, 0)) / before
+
+
+def test_one_short_drafter_pass_does_not_make_catching_up_cheap() -> None:
+    """A head's price per row has a step's weight behind it: one pass a quarter under
+    its price takes under a fifth off the price of a 218-row catch-up, not half
+    (measured: eagle at 16 running then drafted for the whole batch and lost)."""
+    assert 0.75 < catch_up_after_one_chunk() < 1.0
+
+
+def test_with_a_row_weighing_as_a_base_slope_the_catch_up_halves(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above is real: with a head's row weighing what a target's slope does
+    (a hundredth of a step, as before), the same one step prices the catch-up at
+    about half the prior's."""
+    import scheduler.step_cost as step_cost
+    monkeypatch.setattr(step_cost, "_PRIOR_STEPS_HEAD_ROW", step_cost._PRIOR_STEPS_BASE)
+    assert catch_up_after_one_chunk() < 0.7
