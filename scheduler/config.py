@@ -179,6 +179,17 @@ class GoodputSettings:
     # prefix_search.py): pricing all 4,097 at 1,024 running, K = 4, was most of a
     # decision. 256 prices every prefix up to 64 running at K = 4.
     exhaustive_prefixes: int = 256
+    # A parked request's catch-up (the rows its drafter skipped) is paid once, and buys
+    # every step it drafts after: the per-step search spreads it over this many steps
+    # (at most the output tokens the request may still make; 1: all on the step that
+    # pays it). Priced whole, a request parked for a few steps never drafted again: its
+    # catch-up grew each step against one draft's gain (measured at 4 running,
+    # bfloat16: parallel parked 339 of 390 request-steps and ran 0.964x off against
+    # fixed K = 1's 1.110x). Spread over 16 steps it ran 1.061x, but at 16 running,
+    # where a request soon parks again, the spread undercharged it and goodput drafted
+    # twice as much and lost ~2 % (0.97-0.98x off against 0.99-1.00); 4 and 8 sat
+    # between, within the runs' noise (README).
+    catch_up_steps: int = 8
 
     def __post_init__(self) -> None:
         if not self.outlier_ratio > 1.0:  # at or below 1, every step would be capped
@@ -207,6 +218,9 @@ class GoodputSettings:
         if not 0.0 < self.spread_decay <= 1.0:
             raise ValueError(f"GoodputSettings.spread_decay must be in (0, 1], "
                              f"got {self.spread_decay!r}")
+        if self.catch_up_steps < 1:
+            raise ValueError(f"GoodputSettings.catch_up_steps must be >= 1 step, "
+                             f"got {self.catch_up_steps!r}")
         if self.exhaustive_prefixes < 2:
             raise ValueError(f"GoodputSettings.exhaustive_prefixes must be >= 2 (a grid "
                              f"needs two points), got {self.exhaustive_prefixes!r}")

@@ -90,7 +90,8 @@ class GoodputPolicy:
              behind: np.ndarray | None = None,
              remaining: np.ndarray | None = None,
              unverified: np.ndarray | None = None,
-             produced: np.ndarray | None = None) -> np.ndarray:
+             produced: np.ndarray | None = None,
+             left: np.ndarray | None = None) -> np.ndarray:
         """[N] the k cap of each running request (its verifications so far per state it
         was in [N, NUM_OUTCOMES], how many accepted their first draft, the state its last
         one left; rule_k: the k the rule allows it now; behind: the rows its drafter must
@@ -98,7 +99,9 @@ class GoodputPolicy:
         batch is closed (nothing waits, nobody joins), the output tokens each may still
         make, see scheduler/finish_plan.py; unverified: the output tokens each made
         since its last verification, whose record fades by them; produced: its output
-        tokens, which say its span of the answer). Also sets
+        tokens, which say its span of the answer; left: the output tokens each may
+        still make, open batch or closed, over which its catch-up is spread,
+        `_spread_catch_up`). Also sets
         `new_request_cap`, the cap of a request with no history in this batch."""
         num = len(rule_k)
         planned = remaining is not None and num > 0 and self.settings.finish_when_closed
@@ -133,7 +136,8 @@ class GoodputPolicy:
                                                 produced)
         else:
             gains = self._gains(own + bonus[:, None], limit)
-            threshold, price, margin, depth = self._searched(gains[:num], num, catch_up)
+            threshold, price, margin, depth = self._searched(
+                gains[:num], num, self._spread_catch_up(catch_up, left))
             gains[:, depth:] = 0.0
             limit = np.minimum(limit, depth)
             caps = (gains >= threshold).sum(axis=1)
@@ -176,6 +180,19 @@ class GoodputPolicy:
         caps, forecast = got
         self.check.expect(forecast, int(caps.sum()))
         return caps
+
+    def _spread_catch_up(self, catch_up: np.ndarray, left: np.ndarray | None) -> np.ndarray:
+        """The catch-up rows the per-step search charges a parked request's first draft:
+        its catch-up over `catch_up_steps` steps, or over the output tokens it may still
+        make where fewer (each step makes at least one). The catch-up is paid once and
+        serves every later draft; charged whole to the step that pays it, one draft's
+        gain never paid for it, and a request parked early stayed parked to its end.
+        The closed batch's plan (`_finish_plan`) sees the whole rest of the batch, so it
+        charges the catch-up whole."""
+        steps = np.full(len(catch_up), float(self.settings.catch_up_steps))
+        if left is not None:
+            steps = np.clip(left, 1.0, steps)
+        return catch_up / steps
 
     def _keep_choice(self, caps: np.ndarray, gains: np.ndarray, price: float,
                      verifications: np.ndarray, first_accepted: np.ndarray,

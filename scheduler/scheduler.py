@@ -258,13 +258,11 @@ class Scheduler:
             return self.policy.hold()  # a decision that drafted nothing, kept
         s = c.num_spec  # verified next if the whole chunk fits (the bulk plan's case)
         rule_k = self.rule.k(c.num_tokens, c.num_output, c.max_tokens, s)
-        remaining = None
-        if closed:  # a closed batch: what each may make
-            room = self.config.max_model_len - c.num_tokens
-            remaining = np.minimum(c.max_tokens - c.num_output, room)
+        # What each may still make; a closed batch plans on it.
+        left = np.minimum(c.max_tokens - c.num_output, self.config.max_model_len - c.num_tokens)
         return self.policy.caps(c.verifications, c.first_accepted, c.last_outcome, rule_k,
-                                c.behind, remaining=remaining, unverified=c.unverified,
-                                produced=c.num_output)
+                                c.behind, remaining=left if closed else None,
+                                unverified=c.unverified, produced=c.num_output, left=left)
 
     def _num_blocks(self, request: Request) -> int:
         return len(self.kv.req_blocks.get(request.request_id, ()))

@@ -903,3 +903,35 @@ def test_a_sequential_drafter_may_draft_everyone_shallow() -> None:
     got = gp.caps(history([100] * 4), np.full(4, 50),
                   np.array([ALL_ACCEPTED] + [NONE_ACCEPTED] * 3), np.full(4, K))
     assert got.tolist() == [1, 1, 1, 1]
+
+
+def parked_caps(method: str, catch_up_steps: int, left: int) -> np.ndarray:
+    """Caps of four parked requests, each 45 rows behind (its prompt), first drafts
+    accepted 0.45 of the time, on a fresh CPU time model, each able to make `left`
+    more output tokens."""
+    num = 4
+    rule = ThrottleRule(get_method(method), K, 4096)
+    policy = GoodputPolicy(rule, 256, GoodputSettings(prior_acceptance=0.45, explore=0.0,
+                                                      catch_up_steps=catch_up_steps))
+    return policy.caps(np.zeros((num, NUM_OUTCOMES), dtype=np.int64),
+                       np.zeros(num, dtype=np.int64), np.full(num, FRESH), np.full(num, K),
+                       behind=np.full(num, 45), left=np.full(num, left))
+
+
+@pytest.mark.parametrize("method", ["eagle", "parallel", "dflash"])
+def test_a_catch_up_is_spread_over_the_steps_it_serves(method: str) -> None:
+    """Four running requests, parked with 45 rows to catch up each: the catch-up is
+    paid once and serves every later draft, so spread over the steps ahead they draft
+    (measured at 4 running: parked for good, parallel ran 0.964x off against fixed
+    K = 1's 1.11x). With two tokens left to make, there is nothing to spread it over."""
+    assert parked_caps(method, GoodputSettings().catch_up_steps, left=60).all()
+    assert not parked_caps(method, GoodputSettings().catch_up_steps, left=2).any()
+
+
+@pytest.mark.parametrize("method", ["eagle", "parallel", "dflash"])
+def test_a_catch_up_charged_whole_keeps_them_parked(method: str) -> None:
+    """The check above is real: charged whole to the step that pays it, the same
+    catch-up keeps all four parked."""
+    assert not parked_caps(method, 1, left=60).any()
+    with pytest.raises(ValueError, match="catch_up_steps"):
+        GoodputSettings(catch_up_steps=0)
