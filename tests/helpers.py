@@ -1,12 +1,24 @@
-"""Small builders shared by the scheduler tests."""
+"""Small builders shared by the scheduler tests, and markers shared across test files."""
 
 from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
 
 from runner.simulated import SimulatedRunner
 from scheduler import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.config import GoodputSettings
 from spec_decode import SpeculativeConfig
 from spec_decode.methods import get_method
+
+# Without a C compiler the CPU attention kernel cannot be built (the torch path serves,
+# which tests/runner/test_cpu_attention.py checks); with one, a kernel that fails to
+# build fails the tests so marked.
+needs_compiler = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc")) is None,
+    reason="no C compiler on PATH: the CPU attention kernel cannot be built here")
 
 
 def make_scheduler(method: str | None = None, k: int = 4, budget: int = 64,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import scheduler_overhead, throttle_tightness
-from tests.runner.test_cpu_attention import needs_compiler
+from tests.helpers import needs_compiler
 
 
 def test_scheduler_overhead_quick(tmp_path: Path) -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 
 from runner.attention import cpu_kernel, get_attention_backend
 from runner.config import RunnerConfig
+from tests.helpers import needs_compiler
 from tests.runner.test_attention import (
     LONG,
     MIXED,
@@ -27,11 +26,6 @@ from tests.runner.test_attention import (
 )
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-# Without a C compiler the kernel cannot be built (the torch path serves, which the
-# fallback test below checks); with one, a kernel that fails to build fails these tests.
-needs_compiler = pytest.mark.skipif(
-    shutil.which(os.environ.get("CC", "cc")) is None,
-    reason="no C compiler on PATH: the CPU attention kernel cannot be built here")
 
 
 @needs_compiler
