@@ -65,3 +65,32 @@ def step_targets(layout: TrainLayout, labels: torch.Tensor, run: torch.Tensor, r
         ok = run[:, prev.clamp(min=0)] >= needed
         valid = valid & ok & (prev >= 0)[None, :]
     return torch.where(valid & inside[None, :], target, ignore)
+
+
+def live_rows(scored: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[N, rows] per step: the rows whose result a scored row reads, given each step's
+    scored rows `scored[j]` (a row with a label there). Nothing reads a row of a chain
+    none of whose later steps is scored (prompt text, padding past an answer's end):
+    a later step's row reads only its own chain's earlier rows (the diagonal), and the
+    context step's rows up to its anchor + 1. So those rows need no forward at all;
+    the context step's rows run up to the last one a live chain or its own loss reads
+    (its attention is causal, so the rows before it stay live)."""
+    num, rows = scored[0].shape
+    # chain[j][:, a]: whether step j of the chain anchored at a is scored.
+    chain = [torch.zeros(num, rows, dtype=torch.bool) for _ in scored]
+    for j, step in enumerate(scored):
+        chain[j][:, :rows - j] = step[:, j:]
+    needed = chain[-1].clone()  # whether step j or a later one of the chain is scored
+    live = [chain[0]] * len(scored)
+    for j in range(len(scored) - 1, 0, -1):
+        needed = needed | chain[j]
+        live[j] = torch.zeros_like(needed)
+        live[j][:, j:] = needed[:, :rows - j]
+    # Context row p is read by a live chain anchored at a >= p - 1.
+    read = torch.zeros(num, rows, dtype=torch.bool)
+    if len(scored) > 1:
+        read[:, 1:] = needed[:, :-1]
+        read[:, 0] = needed[:, 0]
+    wanted = read | scored[0]
+    live[0] = torch.flip(torch.cummax(torch.flip(wanted.int(), [1]), dim=1).values, [1]) > 0
+    return live

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from runner.eagle3 import Eagle3Head
 from runner.models.llama import LlamaForCausalLM, apply_rope
 from spec_decode.methods import TrainLayout
-from training.layouts import MASK_TOKEN_ID, step_targets, train_layout
+from training.layouts import MASK_TOKEN_ID, live_rows, step_targets, train_layout
 
 logger = logging.getLogger("specbudget.training")
 IGNORE = -100  # no label: padding, prompt text, a row outside its chain
@@ -80,16 +80,38 @@ def expected_length(agreement: list[float]) -> float:
     return total
 
 
+def _rows(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """[N, T, D] -> [M, D]: the rows `index` names (flat over N * T), or all of them."""
+    flat = x.reshape(-1, x.shape[-1])
+    return flat if index is None else flat.index_select(0, index)
+
+
+def _placed(flat: torch.Tensor, index: torch.Tensor | None, num: int, length: int
+            ) -> torch.Tensor:
+    """[M, D] -> [N, T, D]: `_rows` undone, zeros in the rows it left out."""
+    if index is not None:
+        flat = flat.new_zeros(num * length, flat.shape[-1]).index_copy(0, index, flat)
+    return flat.view(num, length, -1)
+
+
 def _step(head: Eagle3Head, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
-          sin: torch.Tensor, prior: list[tuple[torch.Tensor, torch.Tensor]]
+          sin: torch.Tensor, prior: list[tuple[torch.Tensor, torch.Tensor]],
+          live: torch.Tensor | None = None
           ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """One unrolled step over [N, T] rows; `prior` holds earlier steps' (K, V)."""
+    """One unrolled step over [N, T] rows; `prior` holds earlier steps' (K, V). The
+    row-wise work (norms, projections, the MLP: nearly all of a step's time) runs on
+    the `live` rows only (flat indices, None for all; `layouts.live_rows`): the others
+    come out as zeros, which nothing scored reads."""
     layer, attn = head.midlayer, head.midlayer.self_attn
     num, length, _ = hidden.shape
-    x = torch.cat((layer.input_layernorm(embeds), layer.hidden_norm(hidden)), dim=-1)
-    q = attn.q_proj(x).view(num, length, attn.num_heads, attn.head_dim)
-    k = attn.k_proj(x).view(num, length, attn.num_kv_heads, attn.head_dim)
-    v = attn.v_proj(x).view(num, length, attn.num_kv_heads, attn.head_dim)
+    own = _rows(hidden, live)
+    x = torch.cat((layer.input_layernorm(_rows(embeds, live)), layer.hidden_norm(own)), dim=-1)
+    q = _placed(attn.q_proj(x), live, num, length).view(num, length, attn.num_heads,
+                                                         attn.head_dim)
+    k = _placed(attn.k_proj(x), live, num, length).view(num, length, attn.num_kv_heads,
+                                                         attn.head_dim)
+    v = _placed(attn.v_proj(x), live, num, length).view(num, length, attn.num_kv_heads,
+                                                         attn.head_dim)
     q = apply_rope(q, cos[:, None, :], sin[:, None, :]).transpose(1, 2)  # [N, Hq, T, D]
     k = apply_rope(k, cos[:, None, :], sin[:, None, :]).transpose(1, 2)
     v = v.transpose(1, 2)
@@ -117,8 +139,8 @@ def _step(head: Eagle3Head, embeds: torch.Tensor, hidden: torch.Tensor, cos: tor
     for n, vs in enumerate(shifted_values):
         out = out + probs[..., length + n:length + n + 1] * vs
     out = out.transpose(1, 2).reshape(num, length, -1)
-    h = hidden + attn.o_proj(out)
-    return h + layer.mlp(layer.post_attention_layernorm(h)), (k, v)
+    h = own + attn.o_proj(_rows(out, live))
+    return _placed(h + layer.mlp(layer.post_attention_layernorm(h)), live, num, length), (k, v)
 
 
 def hidden_device(head: Eagle3Head) -> torch.device:
@@ -140,9 +162,11 @@ def with_noise(aux: torch.Tensor, scale: float,
 
 
 def unroll(head: Eagle3Head, aux: torch.Tensor, tokens: torch.Tensor, depth: int,
-           layout: TrainLayout) -> list[torch.Tensor]:
+           layout: TrainLayout, live: list[torch.Tensor] | None = None
+           ) -> list[torch.Tensor]:
     """Every step's output hidden states [N, rows, H], in the method's serving layout
-    (training/layouts.py); rows = T - the layout's token shift."""
+    (training/layouts.py); rows = T - the layout's token shift. `live`: per step, the
+    [N, rows] rows to run (`layouts.live_rows`; the others come out as zeros), or all."""
     shift = layout.token_shift
     rows = tokens.shape[1] - shift  # a context row at r reads the token at r + shift
     dtype = head.fc.weight.dtype
@@ -152,16 +176,20 @@ def unroll(head: Eagle3Head, aux: torch.Tensor, tokens: torch.Tensor, depth: int
     mask_embeds = head.embed(torch.tensor([MASK_TOKEN_ID], device=tokens.device)
                              ).to(dtype).detach().expand_as(embeds)
     mask_hidden = head.mask_hidden.to(dtype).expand(*embeds.shape)
-    context = head.project(aux[:, :rows])
+    kinds = layout.steps(depth)
+    index: list[torch.Tensor | None] = (
+        [None] * len(kinds) if live is None
+        else [step.reshape(-1).nonzero().squeeze(1) for step in live])
+    context = _placed(head.project(_rows(aux[:, :rows], index[0])), index[0], *embeds.shape[:2])
     prior: list[tuple[torch.Tensor, torch.Tensor]] = []
     outs: list[torch.Tensor] = []
-    for kind in layout.steps(depth):
+    for kind, rows_now in zip(kinds, index, strict=True):
         inputs = {"context": (embeds, context), "bonus": (embeds, mask_hidden),
                   "mask": (mask_embeds, mask_hidden),
                   # row r reads the previous step's output at r - 1
                   "feedback": (embeds, F.pad(outs[-1], (0, 0, 1, 0))[:, :rows]
                                if outs else context)}[kind]
-        out, kv = _step(head, *inputs, cos, sin, prior)
+        out, kv = _step(head, *inputs, cos, sin, prior, rows_now)
         prior.append(kv)
         outs.append(out)
     return outs
@@ -180,19 +208,28 @@ def soft_loss(logits: torch.Tensor, final: torch.Tensor, teacher: torch.Tensor
 
 def unrolled_loss(head: Eagle3Head, batch: Batch, depth: int, layout: TrainLayout = EAGLE,
                   decay: float = 0.8, noise: float = 0.0,
-                  generator: torch.Generator | None = None
+                  generator: torch.Generator | None = None, live_only: bool = True
                   ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Weighted loss over the method's unrolled steps (soft targets where the batch
     has them, else cross-entropy on the greedy token); (top-1 hits, rows) of each step
     that drafts, over the rows where it trains. A MISSING label counts as a miss, as
-    serving can never draft that token. `noise`: see `with_noise` (training only)."""
-    outs = unroll(head, with_noise(batch.aux, noise, generator), batch.tokens, depth, layout)
-    rows = outs[0].shape[1]
+    serving can never draft that token. `noise`: see `with_noise` (training only).
+    `live_only`: run only the rows a scored row reads (`layouts.live_rows`; False runs
+    every row, the same loss at more cost: benchmarks/update_rate.py)."""
+    rows = batch.tokens.shape[1] - layout.token_shift
+    num_steps = len(layout.steps(depth))
+    targets = [step_targets(layout, batch.labels, batch.chain, rows, j, IGNORE)
+               if j >= layout.first_loss_step else None for j in range(num_steps)]
+    live = live_rows([torch.zeros(batch.labels.shape[0], rows, dtype=torch.bool)
+                      if t is None else t != IGNORE for t in targets])
+    outs = unroll(head, with_noise(batch.aux, noise, generator), batch.tokens, depth, layout,
+                  live if live_only else None)
     # Row r of every step predicts the label at r + label_offset (training/layouts.py).
     at = (torch.arange(rows) + layout.label_offset).clamp(0, batch.tokens.shape[1] - 1)
     losses, weights, accs = [], [], []
     for j, out in enumerate(outs[layout.first_loss_step:], start=layout.first_loss_step):
-        target = step_targets(layout, batch.labels, batch.chain, rows, j, IGNORE)
+        target = targets[j]
+        assert target is not None
         scored = target != IGNORE
         if not bool(scored.any()):
             accs.append((0, 0))

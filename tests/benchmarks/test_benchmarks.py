@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -500,6 +501,20 @@ def test_data_rate_quick(tmp_path: Path) -> None:
             assert run["tokens_per_s"] == pytest.approx(run["answer_tokens"] / run["seconds"],
                                                         rel=0.01, abs=0.1)
     assert report["ratio_to_cpu"]["cpu"] == 1.0
+
+
+@pytest.mark.model
+def test_update_rate_quick(tmp_path: Path) -> None:
+    """Live rows and every row give the same loss on the same batches, and the figures
+    are the rounds' medians."""
+    from benchmarks import update_rate
+
+    report = update_rate.main(["--quick", "--out", str(tmp_path / "u.json")])
+    assert report["same_loss"] == {"eagle": True}
+    runs = report["runs"]["eagle"]
+    for mode in ("live", "all"):
+        assert report["median_s_per_update"]["eagle"][mode] == statistics.median(runs[mode])
+    assert 0.0 < report["labelled_share"] < 1.0  # prompt text and padding carry no label
 
 
 @pytest.mark.model

@@ -17,11 +17,12 @@ import torch
 
 from engine.llm import LLM
 from runner.drafter import ModelDrafter
+from runner.eagle3 import Eagle3Config, Eagle3Head
 from scheduler import SamplingParams
 from spec_decode.methods import TrainLayout
 from tests.server_helpers import default_model
 from training.features import target_features
-from training.layouts import greedy_run, step_targets, train_layout
+from training.layouts import greedy_run, live_rows, step_targets, train_layout
 from training.train import IGNORE, unroll
 
 pytestmark = pytest.mark.model  # loads the real default model
@@ -129,3 +130,39 @@ def test_training_rows_reproduce_served_drafts(method: str,
     crossed = train_layout("dflash" if method != "dflash" else "parallel")
     equal, compared = _compare(seq, log, _training_outputs(head, seq, crossed), crossed)
     assert compared >= 10 and equal == 0, (equal, compared)
+
+
+@pytest.mark.parametrize("method", ["eagle", "parallel", "dflash"])
+def test_only_live_rows_run_and_every_scored_row_is_unchanged(method: str) -> None:
+    """Training runs a step's rows only where a scored row reads them
+    (`layouts.live_rows`): a window's prompt text and the padding past its answer
+    carry no label, so later steps skip their chains. Every scored row comes out as
+    with all rows run; dropping the prompt's context rows, which no chain is scored on
+    but every chain reads as keys, changes them (the check bites)."""
+    model = default_model()
+    head = Eagle3Head(Eagle3Config.for_target(model.config, 512), model, seed=0)
+    layout = train_layout(method)
+    tokens = torch.tensor([[(7 * i + 3 * n) % 400 + 10 for i in range(40)] for n in range(2)])
+    aux, labels, _ = target_features(model, tokens, head.head_config.aux_layer_ids,
+                                     dtype=torch.float32)
+    labels = labels.clone()
+    labels[:, :12] = IGNORE  # the prompt: context only
+    labels[1, 30:] = IGNORE  # the second answer ended early: padding
+    chain = torch.full_like(tokens, 40)  # as if each token were the target's greedy one
+    rows = tokens.shape[1] - layout.token_shift
+    scored = [step_targets(layout, labels, chain, rows, j, IGNORE) != IGNORE
+              if j >= layout.first_loss_step else torch.zeros(2, rows, dtype=torch.bool)
+              for j in range(len(layout.steps(K)))]
+    live = live_rows(scored)
+    assert all(float(step.float().mean()) < 0.8 for step in live[1:])  # a real saving
+    with torch.no_grad():
+        full = unroll(head, aux, tokens, K, layout)
+        part = unroll(head, aux, tokens, K, layout, live)
+        broken = [live[0].clone(), *live[1:]]
+        broken[0][:, :12] = False
+        wrong = unroll(head, aux, tokens, K, layout, broken)
+    assert all(int(s.sum()) > 20 for s in scored[layout.first_loss_step:])
+    for a, b, s in zip(full, part, scored, strict=True):
+        assert torch.allclose(a[s], b[s], atol=1e-5)
+    assert not all(torch.allclose(a[s], w[s], atol=1e-3)
+                   for a, w, s in zip(full, wrong, scored, strict=True) if s.any())
