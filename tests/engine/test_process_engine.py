@@ -146,3 +146,41 @@ def test_a_fault_handling_the_engines_output_fails_the_open_requests_and_restart
         assert eng.health()[1]["engine_restarts"] == 1
     finally:
         eng.shutdown()
+
+
+class _Channel:
+    """One side of the engine core's pipes, in memory: `inbox` to read, `sent` written."""
+
+    def __init__(self, inbox: list[bytes]) -> None:
+        self.inbox, self.sent = inbox, []
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        return bool(self.inbox)
+
+    def recv_bytes(self) -> bytes:
+        return self.inbox.pop(0)
+
+    def send_bytes(self, buf: bytes) -> None:
+        self.sent.append(buf)
+
+
+def test_the_engine_core_freezes_its_loaded_heap() -> None:
+    """Once loaded, the core freezes the heap (a full collection then scans only what
+    serving makes: ~320,000 loaded objects cost 8-130 ms a collection, measured)."""
+    import gc
+
+    from engine.config import EngineConfig
+    from engine.core_process import run_core
+    from engine.ipc import Codec, EngineInputs, Ready
+
+    codec = Codec()
+    outputs = _Channel([])
+    assert gc.get_freeze_count() == 0
+    try:
+        assert run_core(EngineConfig(max_model_len=128, kv_cache_memory_bytes=8 << 20,
+                                     dtype="float32"),
+                        _Channel([codec.encode(EngineInputs(shutdown=True))]), outputs) == 0
+        assert gc.get_freeze_count() > 10_000
+    finally:
+        gc.unfreeze()
+    assert isinstance(codec.decode_outputs(outputs.sent[0]), Ready)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -51,3 +52,33 @@ def test_engines_take_turns_first_and_are_timed_by_their_own_steps(
     assert last == [[2], [1], [2]]  # each engine's last outputs
     # Each engine is charged its own steps' time and no one else's.
     assert seconds == [3.0, 20.0, 300.0]
+
+
+class _HeapWatcher:
+    """An engine of one step that notes how many objects the collector holds frozen
+    while it steps."""
+
+    def __init__(self) -> None:
+        self.frozen: list[int] = []
+
+    def generate_stepwise(self, prompts: Any, params: Any) -> Iterator[list[int]]:
+        self.frozen.append(gc.get_freeze_count())
+        yield [0]
+
+
+def test_engines_step_over_a_frozen_heap_that_thaws_after() -> None:
+    """The heap standing when the run starts is frozen while the engines step (a full
+    collection then scans only what they make, as in a served engine core), and thawed
+    after, so engines dropped later are collected again; also when a step fails."""
+    watcher = _HeapWatcher()
+    run_side_by_side(cast(list[LLM], [watcher]), ["p"], SamplingParams())
+    assert watcher.frozen[0] > 10_000 and gc.get_freeze_count() == 0
+
+    class Failing:
+        def generate_stepwise(self, prompts: Any, params: Any) -> Iterator[list[int]]:
+            raise RuntimeError("step failed")
+            yield [0]
+
+    with pytest.raises(RuntimeError, match="step failed"):
+        run_side_by_side(cast(list[LLM], [Failing()]), ["p"], SamplingParams())
+    assert gc.get_freeze_count() == 0
