@@ -147,8 +147,7 @@ def run_core(config: EngineConfig, inputs: Channel, outputs: Channel, node: str 
         return 1
     # What is loaded now lives as long as the process. Frozen, a full collection scans
     # only what serving makes: over the ~320,000 objects torch, the tokenizer and the
-    # model leave, each one cost 8-130 ms of some step (engine/stepwise.py's
-    # `frozen_heap`, which the benchmarks measure under).
+    # model leave, each one cost 8-130 ms of some step (engine/heap.py).
     gc.collect()
     gc.freeze()
     try:

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from engine import protocol as P
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.heap import frozen_heap
 from engine.output import OutputProcessor, RequestDelta
 from engine.tokenizer import Tokenizer
 from runner.models.llama import LlamaForCausalLM
@@ -171,24 +172,29 @@ class LLM:
         many ended in it. Meanwhile the scheduler knows nobody joins, so its goodput
         policy plans the batch's tail to finish soonest. Left early (an exception, a
         caller that stops iterating), it aborts what is left: no request or KV block
-        outlives the call."""
+        outlives the call. The heap stays frozen while it steps (engine/heap.py)."""
         self.engine.scheduler.arrivals_closed = True
         try:
-            while self.engine.has_unfinished_requests():
-                deltas, stopped, _ = self.processor.process(self.engine.step())
-                for rid in stopped:
-                    self.engine.stop_request(rid)
-                finished = 0
-                for delta in deltas:
-                    out = outputs[delta.request_id]
-                    out.outputs[0].add(delta, self.tokenizer)
-                    if delta.finished:
-                        out.finished = True
-                        finished += 1
-                yield finished
+            with frozen_heap():
+                while self.engine.has_unfinished_requests():
+                    yield self._step_into(outputs)
         finally:
             self.engine.scheduler.arrivals_closed = False
             self._drop(outputs)
+
+    def _step_into(self, outputs: dict[str, RequestOutput]) -> int:
+        """One engine step, its tokens added to `outputs`; how many requests ended."""
+        deltas, stopped, _ = self.processor.process(self.engine.step())
+        for rid in stopped:
+            self.engine.stop_request(rid)
+        finished = 0
+        for delta in deltas:
+            out = outputs[delta.request_id]
+            out.outputs[0].add(delta, self.tokenizer)
+            if delta.finished:
+                out.finished = True
+                finished += 1
+        return finished
 
     def _prepare(self, prompts: Any) -> list[tuple[str | None, list[int]]]:
         """(text, token ids) of each prompt, refused as the server refuses a request's

@@ -9,11 +9,10 @@ steps, and who steps first rotates every round, so no engine always follows anot
 
 from __future__ import annotations
 
-import gc
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
+from engine.heap import frozen_heap
 from engine.llm import LLM, RequestOutput
 from scheduler import SamplingParams
 
@@ -21,28 +20,10 @@ from scheduler import SamplingParams
 def run_side_by_side(engines: Sequence[LLM], prompts: str | list[str] | list[list[int]],
                      params: SamplingParams) -> tuple[list[float], list[list[RequestOutput]]]:
     """(seconds, final outputs in prompt order) of each engine for the same `prompts`,
-    stepped in turn (`LLM.generate_stepwise`), with the heap as it stands frozen
-    (`frozen_heap`), as a served engine core's is (engine/core_process.py)."""
+    stepped in turn (`LLM.generate_stepwise`), over a frozen heap (engine/heap.py) as
+    a served engine core's is."""
     with frozen_heap():
         return _stepped(engines, prompts, params)
-
-
-@contextmanager
-def frozen_heap() -> Iterator[None]:
-    """Collect, then freeze every object alive (`gc.freeze`) until the block ends.
-
-    A full (generation 2) collection scans every tracked object, and one falls due each
-    time the long-lived objects grow by a quarter: with torch, the tokenizer and the
-    model loaded that is ~320,000 objects and 8-130 ms a collection, measured, landing
-    on whichever step allocates at the time (a suffix drafter's tree nodes made one
-    step of a 135-step run 150 ms long). Frozen, a collection scans only what was made
-    since. Unfrozen on the way out, so engines dropped later are collected again."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _stepped(engines: Sequence[LLM], prompts: str | list[str] | list[list[int]],
