@@ -77,7 +77,8 @@ def live_rows(scored: list[torch.Tensor]) -> list[torch.Tensor]:
     (its attention is causal, so the rows before it stay live)."""
     num, rows = scored[0].shape
     # chain[j][:, a]: whether step j of the chain anchored at a is scored.
-    chain = [torch.zeros(num, rows, dtype=torch.bool) for _ in scored]
+    device = scored[0].device
+    chain = [torch.zeros(num, rows, dtype=torch.bool, device=device) for _ in scored]
     for j, step in enumerate(scored):
         chain[j][:, :rows - j] = step[:, j:]
     needed = chain[-1].clone()  # whether step j or a later one of the chain is scored
@@ -87,7 +88,7 @@ def live_rows(scored: list[torch.Tensor]) -> list[torch.Tensor]:
         live[j] = torch.zeros_like(needed)
         live[j][:, j:] = needed[:, :rows - j]
     # Context row p is read by a live chain anchored at a >= p - 1.
-    read = torch.zeros(num, rows, dtype=torch.bool)
+    read = torch.zeros(num, rows, dtype=torch.bool, device=device)
     if len(scored) > 1:
         read[:, 1:] = needed[:, :-1]
         read[:, 0] = needed[:, 0]

@@ -179,7 +179,7 @@ def unroll(head: Eagle3Head, aux: torch.Tensor, tokens: torch.Tensor, depth: int
     kinds = layout.steps(depth)
     index: list[torch.Tensor | None] = (
         [None] * len(kinds) if live is None
-        else [step.reshape(-1).nonzero().squeeze(1) for step in live])
+        else [step.reshape(-1).nonzero().squeeze(1).to(embeds.device) for step in live])
     context = _placed(head.project(_rows(aux[:, :rows], index[0])), index[0], *embeds.shape[:2])
     prior: list[tuple[torch.Tensor, torch.Tensor]] = []
     outs: list[torch.Tensor] = []
@@ -220,7 +220,8 @@ def unrolled_loss(head: Eagle3Head, batch: Batch, depth: int, layout: TrainLayou
     num_steps = len(layout.steps(depth))
     targets = [step_targets(layout, batch.labels, batch.chain, rows, j, IGNORE)
                if j >= layout.first_loss_step else None for j in range(num_steps)]
-    live = live_rows([torch.zeros(batch.labels.shape[0], rows, dtype=torch.bool)
+    live = live_rows([torch.zeros(batch.labels.shape[0], rows, dtype=torch.bool,
+                                  device=batch.labels.device)
                       if t is None else t != IGNORE for t in targets])
     outs = unroll(head, with_noise(batch.aux, noise, generator), batch.tokens, depth, layout,
                   live if live_only else None)
