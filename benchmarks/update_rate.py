@@ -18,6 +18,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make the repo's packages importable
@@ -27,6 +28,7 @@ from benchmarks.common import bench_parser, out_path, write_report  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "update_rate.json"
 MODES = ("live", "all")
+DEPTH, DRAFT_VOCAB = 4, 8192  # train-drafter's defaults: K and the draft vocabulary
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -42,78 +44,29 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from engine.llm import LLM
     from runner.config import RunnerConfig
-    from runner.eagle3 import Eagle3Config, Eagle3Head
-    from runner.model_loader import load_model
-    from runner.model_prep import resolve_model
-    from training.data import code_windows
-    from training.generate import Windows
-    from training.layouts import greedy_run, train_layout
-    from training.pipeline import WINDOW, chat_data, code_data
-    from training.prompts import first_turns
-    from training.train import IGNORE, Batch, draft_vocab, init_from_target, unrolled_loss
+    from training.train import IGNORE
 
     # Autocast hands the head's RMSNorm bf16 input beside its float32 weight; torch then
     # normalises unfused (correct) and says so, as train-drafter hides too.
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     dtype = RunnerConfig().torch_dtype
-    model = load_model(resolve_model(None), dtype)
-    config = Eagle3Config.for_target(model.config, 8192)
-    llm = LLM(loaded_model=model, max_model_len=512, max_num_seqs=64,
-              max_num_batched_tokens=2048, enable_prefix_caching=False)
-    chat = chat_data(llm, first_turns("train", 0), args.prompts, config.aux_layer_ids)
-    code = code_windows(llm.tokenizer, WINDOW, max(1, args.prompts // 3), "train")
-    windows = Windows.cat([chat, code_data(model, code, config.aux_layer_ids)])
-    d2t, t2d = draft_vocab(windows.labels[windows.labels >= 0], model.config.vocab_size,
-                           config.draft_vocab_size)
-    mapped = torch.where(windows.labels >= 0, t2d[windows.labels.clamp(min=0)], IGNORE)
-    data = Batch(windows.aux, windows.tokens, mapped, greedy_run(windows.tokens, windows.labels))
-    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(0))
-    batches = [order[i * 8:(i + 1) * 8] % len(windows) for i in range(args.updates)]
-    autocast = dtype == torch.bfloat16
-
-    def seconds_per_update(head: Eagle3Head, method: str, live_only: bool) -> float:
-        params = [p for p in head.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-3)
-        begin = time.perf_counter()
-        for index in batches:
-            batch = Batch(data.aux[index], data.tokens[index], data.labels[index],
-                          data.chain[index])
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss, _ = unrolled_loss(head, batch, 4, train_layout(method), noise=0.05,
-                                        live_only=live_only)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        return (time.perf_counter() - begin) / len(batches)
-
+    model, data, d2t = _training_data(dtype, args.prompts)
+    order = torch.randperm(len(data.tokens), generator=torch.Generator().manual_seed(0))
+    batches = [order[i * 8:(i + 1) * 8] % len(data.tokens) for i in range(args.updates)]
     runs: dict[str, dict[str, list[float]]] = {}
     same_loss: dict[str, bool] = {}
     for method in args.methods.split(","):
-        head = Eagle3Head(config, model, seed=0)
-        init_from_target(head, model, d2t)
-        with torch.no_grad():  # the two modes' losses on every batch, before any update
-            same_loss[method] = all(
-                torch.allclose(*(unrolled_loss(head, Batch(data.aux[i], data.tokens[i],
-                                                           data.labels[i], data.chain[i]),
-                                               4, train_layout(method), live_only=mode)[0]
-                                 for mode in (True, False)), rtol=1e-3)
-                for i in batches)
-        seconds_per_update(head, method, True)  # warm-up
-        runs[method] = {mode: [] for mode in MODES}
-        for _ in range(args.rounds):
-            for mode in MODES:
-                runs[method][mode].append(round(seconds_per_update(head, method,
-                                                                   mode == "live"), 4))
+        same_loss[method], runs[method] = _measure(model, d2t, data, batches, method,
+                                                   args.rounds, dtype == torch.bfloat16)
     medians = {m: {mode: statistics.median(r[mode]) for mode in MODES} for m, r in runs.items()}
     report = {
         "benchmark": "update_rate",
         "quick": args.quick,
         "dtype": str(dtype).removeprefix("torch."),
-        "windows": len(windows), "window": WINDOW, "batch": 8, "depth": 4,
+        "windows": len(data.tokens), "window": data.tokens.shape[1], "batch": 8, "depth": DEPTH,
         "updates_per_round": args.updates, "rounds": args.rounds,
-        "labelled_share": round(float((windows.labels != IGNORE).float().mean()), 3),
+        "labelled_share": round(float((data.labels != IGNORE).float().mean()), 3),
         "timed": "seconds per update (forward, backward, AdamW), per round",
         "torch": torch.__version__,
         "runs": runs,
@@ -127,6 +80,77 @@ def main(argv: list[str] | None = None) -> dict:
               f"({v['live'] / v['all']:.2f}x)")
     print(f"wrote {args.out}")
     return report
+
+
+def _training_data(dtype: Any, prompts: int) -> tuple[Any, Any, Any]:
+    """(target, training windows as a `Batch`, d2t): `prompts` chat conversations the
+    target answers with their features captured, and a third as many code windows,
+    as `specbudget train-drafter` makes them (training/pipeline.py)."""
+    import torch
+
+    from engine.llm import LLM
+    from runner.eagle3 import Eagle3Config
+    from runner.model_loader import load_model
+    from runner.model_prep import resolve_model
+    from training.data import code_windows
+    from training.generate import Windows
+    from training.layouts import greedy_run
+    from training.pipeline import WINDOW, chat_data, code_data
+    from training.prompts import first_turns
+    from training.train import IGNORE, Batch, draft_vocab
+
+    model = load_model(resolve_model(None), dtype)
+    config = Eagle3Config.for_target(model.config, DRAFT_VOCAB)
+    llm = LLM(loaded_model=model, max_model_len=512, max_num_seqs=64,
+              max_num_batched_tokens=2048, enable_prefix_caching=False)
+    chat = chat_data(llm, first_turns("train", 0), prompts, config.aux_layer_ids)
+    code = code_windows(llm.tokenizer, WINDOW, max(1, prompts // 3), "train")
+    windows = Windows.cat([chat, code_data(model, code, config.aux_layer_ids)])
+    d2t, t2d = draft_vocab(windows.labels[windows.labels >= 0], model.config.vocab_size,
+                           DRAFT_VOCAB)
+    mapped = torch.where(windows.labels >= 0, t2d[windows.labels.clamp(min=0)], IGNORE)
+    return model, Batch(windows.aux, windows.tokens, mapped,
+                        greedy_run(windows.tokens, windows.labels)), d2t
+
+
+def _measure(model: Any, d2t: Any, data: Any, batches: list[Any], method: str, rounds: int,
+             autocast: bool) -> tuple[bool, dict[str, list[float]]]:
+    """Whether both modes give the same loss on every batch (a fresh head, before any
+    update), and each mode's seconds per update in each round, the modes in turn."""
+    import torch
+
+    from runner.eagle3 import Eagle3Config, Eagle3Head
+    from training.layouts import train_layout
+    from training.train import init_from_target, select, unrolled_loss
+
+    head = Eagle3Head(Eagle3Config.for_target(model.config, DRAFT_VOCAB), model, seed=0)
+    init_from_target(head, model, d2t)
+    layout = train_layout(method)
+    with torch.no_grad():
+        same = all(torch.allclose(*(unrolled_loss(head, select(data, i), DEPTH, layout,
+                                                  live_only=mode)[0]
+                                    for mode in (True, False)), rtol=1e-3)
+                   for i in batches)
+    params = [p for p in head.parameters() if p.requires_grad]
+
+    def seconds_per_update(live_only: bool) -> float:
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        begin = time.perf_counter()
+        for index in batches:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss, _ = unrolled_loss(head, select(data, index), DEPTH, layout, noise=0.05,
+                                        live_only=live_only)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return (time.perf_counter() - begin) / len(batches)
+
+    seconds_per_update(True)  # warm-up
+    runs: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for _ in range(rounds):
+        for mode in MODES:
+            runs[mode].append(round(seconds_per_update(mode == "live"), 4))
+    return same, runs
 
 
 if __name__ == "__main__":

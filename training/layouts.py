@@ -80,18 +80,17 @@ def live_rows(scored: list[torch.Tensor]) -> list[torch.Tensor]:
     device = scored[0].device
     chain = [torch.zeros(num, rows, dtype=torch.bool, device=device) for _ in scored]
     for j, step in enumerate(scored):
-        chain[j][:, :rows - j] = step[:, j:]
-    needed = chain[-1].clone()  # whether step j or a later one of the chain is scored
-    live = [chain[0]] * len(scored)
+        chain[j][:, :max(rows - j, 0)] = step[:, j:]  # none past the window's end
+    needed = torch.zeros_like(chain[0])  # whether step j or a later one is scored
+    later: list[torch.Tensor] = []  # steps 1.. of the live rows, built last step first
     for j in range(len(scored) - 1, 0, -1):
         needed = needed | chain[j]
-        live[j] = torch.zeros_like(needed)
-        live[j][:, j:] = needed[:, :rows - j]
-    # Context row p is read by a live chain anchored at a >= p - 1.
-    read = torch.zeros(num, rows, dtype=torch.bool, device=device)
-    if len(scored) > 1:
-        read[:, 1:] = needed[:, :-1]
-        read[:, 0] = needed[:, 0]
-    wanted = read | scored[0]
-    live[0] = torch.flip(torch.cummax(torch.flip(wanted.int(), [1]), dim=1).values, [1]) > 0
-    return live
+        step = torch.zeros_like(needed)
+        step[:, j:] = needed[:, :max(rows - j, 0)]
+        later.insert(0, step)
+    # Context row p is read by a live chain anchored at a >= p - 1 (the closure below
+    # then keeps every row before it).
+    wanted = scored[0].clone()
+    wanted[:, 1:] |= needed[:, :-1]
+    context = torch.flip(torch.cummax(torch.flip(wanted.int(), [1]), dim=1).values, [1]) > 0
+    return [context, *later]

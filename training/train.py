@@ -222,9 +222,9 @@ def unrolled_loss(head: Eagle3Head, batch: Batch, depth: int, layout: TrainLayou
                if j >= layout.first_loss_step else None for j in range(num_steps)]
     live = live_rows([torch.zeros(batch.labels.shape[0], rows, dtype=torch.bool,
                                   device=batch.labels.device)
-                      if t is None else t != IGNORE for t in targets])
+                      if t is None else t != IGNORE for t in targets]) if live_only else None
     outs = unroll(head, with_noise(batch.aux, noise, generator), batch.tokens, depth, layout,
-                  live if live_only else None)
+                  live)
     # Row r of every step predicts the label at r + label_offset (training/layouts.py).
     at = (torch.arange(rows) + layout.label_offset).clamp(0, batch.tokens.shape[1] - 1)
     losses, weights, accs = [], [], []

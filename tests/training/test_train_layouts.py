@@ -132,6 +132,21 @@ def test_training_rows_reproduce_served_drafts(method: str,
     assert compared >= 10 and equal == 0, (equal, compared)
 
 
+def test_live_rows_by_hand() -> None:
+    """Two steps over five rows: step 1's row 3 is scored (its chain is anchored at 2),
+    step 0 scores row 1. Step 1 runs row 3 only; the context runs rows 0-3 (row 3 is
+    the anchor's + 1, which the chain reads as a key, and the rows before it stay live
+    for the causal attention). A window shorter than the steps runs no later row."""
+    scored = [torch.tensor([[False, True, False, False, False]]),
+              torch.tensor([[False, False, False, True, False]])]
+    context, later = live_rows(scored)
+    assert context.tolist() == [[True, True, True, True, False]]
+    assert later.tolist() == [[False, False, False, True, False]]
+    none = torch.zeros(1, 2, dtype=torch.bool)
+    short = live_rows([torch.ones(1, 2, dtype=torch.bool), *[none] * 4])
+    assert [s.tolist() for s in short] == [[[True, True]]] + [[[False, False]]] * 4
+
+
 @pytest.mark.parametrize("method", ["eagle", "parallel", "dflash"])
 def test_only_live_rows_run_and_every_scored_row_is_unchanged(method: str) -> None:
     """Training runs a step's rows only where a scored row reads them
