@@ -84,8 +84,8 @@ class CoreClient:
     # ---- steps coming back ---------------------------------------------------------
 
     def on_outputs(self, message: StepOutputs) -> None:
-        """One step's message: detokenise, hand each event loop its deltas, send the
-        stops that stop strings asked for, run the metrics hooks."""
+        """One step's message: detokenise, run the metrics hooks, hand each event loop
+        its deltas, send the stops that stop strings asked for."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[DeltaStream, Any]]] = {}
         with self._lock:
             deltas, stopped, latency = self.processor.process(message.outputs)
@@ -103,12 +103,14 @@ class CoreClient:
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
                     batches.setdefault(stream.loop, []).append((stream, ValueError(why)))
+        # The metrics count a step before any caller sees it, so a client that has its
+        # answer reads it in /metrics (AsyncEngine keeps the same order).
+        self.snapshot = message.snapshot
+        self.run_hooks(deltas, latency)
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_put_all, items)
         if stopped:
             self.send(EngineInputs(stops=stopped))
-        self.snapshot = message.snapshot
-        self.run_hooks(deltas, latency)
         if time.monotonic() - self._last_log >= self.log_interval_s:
             self._log_line()
 
