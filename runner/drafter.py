@@ -211,6 +211,11 @@ class ModelDrafter:
         return {req_ids[i]: drafts[:int(res.num_draft_tokens[i])]
                 for i, drafts in by_index.items()}
 
+    def shadow(self, res: StepResult, req_ids: list[str],
+               wanted: list[str]) -> dict[str, int]:
+        """None: a model's draft costs its passes' rows (the scheduler asks for none)."""
+        return {}
+
     def _stash_features(self, res: StepResult, target_features: torch.Tensor,
                         parked: np.ndarray) -> None:
         """Keep the target's features of each parked request's valid rows (positions

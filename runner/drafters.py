@@ -72,6 +72,12 @@ class Drafter(Protocol):
         """At most k drafts per request id, for every request that samples with k >= 1."""
         ...
 
+    def shadow(self, res: StepResult, req_ids: list[str],
+               wanted: list[str]) -> dict[str, int]:
+        """The first draft each `wanted` request (parked: it samples with k = 0) would
+        propose, where proposing runs no pass (`SpecMethod.shadows`); else nothing."""
+        ...
+
 
 @dataclass(frozen=True)
 class DraftContext:
@@ -117,6 +123,19 @@ class TokenDrafter:
             known = states.token_ids[row, :states.num_tokens[row]]
             drafts[req_ids[i]] = self.proposer.propose(req_ids[i], known, k)[:k]
         return drafts
+
+    def shadow(self, res: StepResult, req_ids: list[str],
+               wanted: list[str]) -> dict[str, int]:
+        states, shadows, want = self.states, {}, set(wanted)
+        for i in np.flatnonzero(res.samples & (res.num_draft_tokens == 0)).tolist():
+            if req_ids[i] not in want:
+                continue
+            row = res.rows[i]
+            known = states.token_ids[row, :states.num_tokens[row]]
+            got = self.proposer.propose(req_ids[i], known, 1)
+            if got:
+                shadows[req_ids[i]] = int(got[0])
+        return shadows
 
 
 DrafterFactory = Callable[[SpeculativeConfig, DraftContext], Drafter]

@@ -301,6 +301,8 @@ class ModelRunner:
             draft_start = time.perf_counter()
             drafts = (self.spec.propose(result, features, req_ids, planned)
                       if self.spec else {})
+            shadows = (self.spec.shadow(result, req_ids, out.shadow_req_ids)
+                       if self.spec else {})
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             drafter_seconds = time.perf_counter() - draft_start
@@ -309,7 +311,8 @@ class ModelRunner:
             out_tokens[i] = emitted[j]
         return ModelRunnerOutput(req_ids, out_tokens, drafts, pass_rows=self.last_pass_rows,
                                  logprobs=logprobs,
-                                 drafter_seconds=drafter_seconds if self.spec else None)
+                                 drafter_seconds=drafter_seconds if self.spec else None,
+                                 shadow_token_ids=shadows)
 
     def _forward(self, step: PreparedStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Final hidden states, and the aux features the drafter's head reads."""

@@ -3,8 +3,9 @@
 It runs the real runner's checks (runner/invariant.py) and builds every drafter pass
 with the same assembly code (spec_decode/passes.py), so a scheduler bug that the model
 runner would refuse is refused here too, without a model. Tokens come from a seeded
-generator: each draft is accepted with probability `acceptance`, and `eos_prob` ends
-a request early.
+generator: each draft is accepted with probability `acceptance` (and a parked request
+samples the draft it was asked to shadow, `SchedulerOutput.shadow_req_ids`, with that
+probability too), and `eos_prob` ends a request early.
 
 It is built for one scheduler and holds that scheduler's limits (B, max_model_len, K,
 block size), as the model runner holds its own: it re-derives the k rule, bounds every
@@ -36,6 +37,7 @@ class _ReqState:
     max_tokens: int
     num_blocks: int
     num_drafter_computed: int  # positions its drafter holds (below c while parked)
+    shadow: int | None = None  # the draft it would have proposed while parked
 
 
 @dataclass
@@ -127,6 +129,8 @@ class SimulatedRunner:
         self._sync(out)
         sampled: list[list[int]] = []
         drafts: dict[str, list[int]] = {}
+        shadows: dict[str, int] = {}
+        shadowed = set(out.shadow_req_ids)
         valid = n.copy()
         parked = planned.parked if planned.parked is not None else np.zeros(len(n), dtype=bool)
         for i, rid in enumerate(req_ids):
@@ -136,20 +140,26 @@ class SimulatedRunner:
                 sampled.append([])  # a prefill chunk that stops short of sampling
                 state.num_computed += int(n[i])
             else:
-                tokens = self._verify(out.scheduled_spec_decode_tokens.get(rid, []))
+                tokens = self._verify(out.scheduled_spec_decode_tokens.get(rid, []),
+                                      state.shadow)
+                state.shadow = None
                 sampled.append(tokens)
                 valid[i] = n[i] - verified + len(tokens) - 1
                 state.num_computed += int(valid[i])
                 state.num_tokens += len(tokens)
                 if k[i]:
                     drafts[rid] = self.propose(rid, int(k[i]))[:int(k[i])]
+                elif rid in shadowed:
+                    shadow = self.propose(rid, 1)[:1]  # a lookup may find nothing
+                    if shadow:
+                        shadows[rid] = state.shadow = shadow[0]
             if not parked[i]:
                 state.num_drafter_computed = state.num_computed
         self.last_step = self._build(planned, facts, n, k, valid,
                                      np.array([bool(t) for t in sampled], dtype=bool))
         seconds = self.step_time(planned.counts) if self.step_time else None
         return ModelRunnerOutput(req_ids, sampled, drafts, pass_rows=planned.counts,
-                                 step_seconds=seconds)
+                                 step_seconds=seconds, shadow_token_ids=shadows)
 
     def _build(self, planned: StepRows, facts: StepFacts, n: np.ndarray, k: np.ndarray,
                valid: np.ndarray, samples: np.ndarray) -> BuiltStep:
@@ -173,8 +183,11 @@ class SimulatedRunner:
                 step.passes[f"step_{j}"] = sequential_positions(method, res, j)[reqs]
         return step
 
-    def _verify(self, spec: list[int]) -> list[int]:
-        """Accept drafts left to right until a rejection; always add one token."""
+    def _verify(self, spec: list[int], shadow: int | None = None) -> list[int]:
+        """Accept drafts left to right until a rejection; always add one token (with no
+        draft, the `shadow` draft with the chance a draft is accepted)."""
+        if not spec and shadow is not None and self.rng.random() < self.acceptance:
+            return [shadow]
         accepted = []
         for token in spec:
             if self.rng.random() >= self.acceptance:

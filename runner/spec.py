@@ -90,3 +90,9 @@ class SpecDecoder:
                 planned: StepRows) -> dict[str, list[int]]:
         """Next drafts for every request that samples with k >= 1."""
         return self.drafter.propose(res, target_features, req_ids, planned)
+
+    def shadow(self, res: StepResult, req_ids: list[str],
+               wanted: list[str]) -> dict[str, int]:
+        """The first draft each parked request of `wanted` would propose
+        (`SchedulerOutput.shadow_req_ids`), never verified."""
+        return self.drafter.shadow(res, req_ids, wanted) if wanted else {}

@@ -106,6 +106,10 @@ class GoodputSettings:
     # changes along an answer (ngram's first draft, measured on held-out chat: 0.2 in
     # the first 32 tokens, 0.6-0.75 after), and a parked request learns nothing new.
     evidence_half_life: float = 16.0
+    # Where a method's drafts cost no rows (`SpecMethod.shadows`: ngram), a parked
+    # request's draft is proposed anyway and checked against the token it samples
+    # next, so its record and state stay current (`SchedulerOutput.shadow_req_ids`).
+    shadow_parked: bool = True
     # The acceptance estimates' rate tables are rebuilt once the verifications since
     # the last build exceed this share of those they were built on (0: every step).
     stale_share: float = 1 / 64

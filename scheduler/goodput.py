@@ -293,8 +293,12 @@ class GoodputPolicy:
     def _keep(self, margin: float, num: int, planned: bool, at_least: int = 0) -> None:
         """Hold a decision that drafted nothing, `margin` short of paying (0.1: the
         best drafts predicted 10 % slower), one step per `idle_margin_per_step` of it,
-        and `at_least` steps, at most `max_idle_steps`."""
+        and `at_least` steps, at most `max_idle_steps`. A plan with drafts that cannot
+        fit at all (no k but 0 within B) falls short by an infinite margin: held the
+        most, its margin made finite for `_shrink_hold` to scale."""
         settings = self.settings
+        if margin == np.inf:
+            margin = settings.max_idle_steps * settings.idle_margin_per_step
         self._idle_steps = min(settings.max_idle_steps,
                                max(int(margin / settings.idle_margin_per_step), at_least))
         self._idle_num, self._idle_planned, self._idle_margin = num, planned, margin
@@ -382,6 +386,13 @@ class GoodputPolicy:
         """A request left the batch: how its own acceptance strayed from its states'
         rates teaches how much the next requests' own records count."""
         self.acceptance.record_finished(verifications, first_accepted)
+
+    def observe_shadows(self, accepted: list[int], states: list[int],
+                        produced: list[int]) -> None:
+        """Parked requests' shadow drafts checked this step (scheduler/update.py
+        `Shadowed`): one-draft verifications for the estimates, never for the forecast
+        check (nobody forecast them: the step charged them nothing)."""
+        self.acceptance.record([1] * len(accepted), accepted, states, produced)
 
     def observe_step(self, verified: list[int], accepted: list[int], states: list[int],
                      rows: tuple[int, int, int, int], seconds: float | None,

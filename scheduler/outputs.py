@@ -70,6 +70,10 @@ class SchedulerOutput:
     adapted_draft_tokens: dict[str, int] = field(default_factory=dict)
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
+    # Parked requests (sampling, k = 0) whose next draft the runner proposes all the same
+    # and returns as `ModelRunnerOutput.shadow_token_ids`, never verified: the goodput
+    # policy checks it against the token each samples next (`SpecMethod.shadows`).
+    shadow_req_ids: list[str] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
@@ -99,6 +103,8 @@ class ModelRunnerOutput:
     # ... of which the drafter's passes took this many (where it ran any): the policy
     # fits the target's and the drafter's costs apart from it (scheduler/step_cost.py).
     drafter_seconds: float | None = None
+    # The first draft each of `SchedulerOutput.shadow_req_ids` would have proposed.
+    shadow_token_ids: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)  # one per request per step: keep it cheap
@@ -129,3 +135,8 @@ def check_runner_output(out: SchedulerOutput, result: ModelRunnerOutput) -> None
         if len(drafts) > limit:
             raise ValueError(f"runner proposed {len(drafts)} drafts for {rid!r}; the "
                              f"step charged num_draft_tokens={limit}")
+    unasked = (set(result.shadow_token_ids) - set(out.shadow_req_ids)
+               if result.shadow_token_ids else ())
+    if unasked:
+        raise ValueError(f"runner returned shadow drafts for {sorted(unasked)}, which the "
+                         "step did not ask for (shadow_req_ids)")

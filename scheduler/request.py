@@ -146,6 +146,9 @@ class Request:
         # Prompt + outputs in one list, so block hashing reads slices without copies.
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.spec_token_ids: list[int] = []
+        # The draft it would have proposed while parked (`SchedulerOutput.shadow_req_ids`),
+        # checked against the token it samples next; never verified by the target.
+        self.shadow_token_id: int | None = None
         self.num_computed_tokens = 0
         # Positions its drafter's own KV holds (a head or draft LM method): the computed
         # ones, or fewer while it is parked (it samples with k = 0 and skips the

@@ -29,7 +29,7 @@ from scheduler.request_queue import make_queue
 from scheduler.stats import SchedulerStats
 from scheduler.step_output import build_output
 from scheduler.step_record import StepRecord
-from scheduler.update import append_tokens, count_accepted, in_schedule_order
+from scheduler.update import Shadowed, append_tokens, count_accepted, in_schedule_order
 from spec_decode import SpeculativeConfig
 
 
@@ -57,6 +57,9 @@ class Scheduler:
                                      goodput)
                        if speculative_config is not None
                        and speculative_config.draft_policy == "goodput" else None)
+        # Parked requests' drafts proposed anyway, where proposing costs no rows.
+        self.shadows = (self.policy is not None and self.method is not None
+                        and self.method.shadows and self.policy.settings.shadow_parked)
         self.kv = KVCacheManager(cache_config)
         # The bulk plan takes the running requests that take their whole chunk in one
         # numpy pass, whenever the rule is tabled; False plans every request with
@@ -149,6 +152,7 @@ class Scheduler:
                                          request.num_first_accepted)
             self.stats.goodput.request_weight = self.policy.acceptance.spread.weight
         request.spec_token_ids = []
+        request.shadow_token_id = None
         self.kv.free(request, finished=True)
         del self.requests[request.request_id]
         self._finished_since_last_step.add(request.request_id)
@@ -320,6 +324,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = request.num_drafter_computed = 0
         request.spec_token_ids = []
+        request.shadow_token_id = None
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.readd_preempted(request)
@@ -389,7 +394,7 @@ class Scheduler:
             request.num_computed_tokens += n
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
         output = build_output(record, req_ids, new_reqs, self._cached(record, req_ids, num_running),
-                              spec_tokens, preempted, finished)
+                              spec_tokens, preempted, finished, self.shadows)
         self.stats.record_step(output)
         self.stats.goodput.catch_up_rows += catch_up
         if self.policy is not None:
@@ -476,6 +481,8 @@ class Scheduler:
         accepted_counts: list[int] = []
         states: list[int] = []  # each verifying request's state before it (goodput)
         produced: list[int] = []  # ... and its output tokens then
+        shadowed = Shadowed()  # parked requests' drafts checked (goodput, `shadows`)
+        shadow_ids = runner_output.shadow_token_ids
         for rid, sampled in in_schedule_order(scheduler_output, runner_output):
             request = requests.get(rid)
             if request is None:
@@ -484,6 +491,8 @@ class Scheduler:
                 request.suspect = not sampled  # cleared by a whole step
             chosen_in = request.last_outcome  # the state this step's k was chosen in
             spec = spec_tokens.get(rid)
+            if request.shadow_token_id is not None and sampled and not spec:
+                shadowed.check(request, sampled[0])
             if spec or len(sampled) > 1:
                 verified = len(spec) if spec else 0
                 accepted = count_accepted(request, sampled, verified)
@@ -500,6 +509,7 @@ class Scheduler:
                 advanced.append(request)
                 new_drafts = drafts.get(rid)
                 request.spec_token_ids = list(new_drafts) if new_drafts else []
+                request.shadow_token_id = shadow_ids.get(rid) if sampled else None
                 request.drafted_in = chosen_in
                 if sampled:  # nothing cut: the new tokens are the sampled ones
                     outputs.append(EngineCoreOutput(
@@ -519,6 +529,10 @@ class Scheduler:
         if self.policy is not None:
             self._teach_policy(scheduler_output, runner_output, verified_counts,
                                accepted_counts, states, produced)
+            if shadowed.states:
+                self.policy.observe_shadows(shadowed.accepted, shadowed.states,
+                                            shadowed.produced)
+                self.stats.goodput.record_shadows(shadowed.accepted)
         if finished:  # (running requests left unscheduled this step stay as they are)
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs

@@ -120,6 +120,14 @@ class GoodputStats:
     # rates, as finished requests' spread says (scheduler/request_spread.py); None
     # before any finished.
     request_weight: float | None = None
+    # Parked requests' shadow drafts checked (`SchedulerOutput.shadow_req_ids`), and
+    # how many the request then sampled.
+    shadow_checks: int = 0
+    shadow_hits: int = 0
+
+    def record_shadows(self, accepted: list[int]) -> None:
+        self.shadow_checks += len(accepted)
+        self.shadow_hits += sum(accepted)
 
     def record_drafts(self, k: np.ndarray) -> None:
         """The k of every sampling request of one step."""
@@ -154,6 +162,8 @@ class GoodputStats:
             "mean_abs_error_seconds": self.abs_error_seconds / timed if timed else None,
             "stall_steps": self.stall_steps,
             "request_weight": self.request_weight,
+            "shadow_checks": self.shadow_checks,
+            "shadow_hits": self.shadow_hits,
         }
 
 

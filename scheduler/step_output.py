@@ -14,14 +14,18 @@ from scheduler.step_record import StepRecord
 
 def build_output(record: StepRecord, req_ids: list[str], new_reqs: list[NewRequestData],
                  cached_reqs: CachedRequestData, spec_tokens: dict[str, list[int]],
-                 preempted: set[str], finished: set[str]) -> SchedulerOutput:
-    """`req_ids`: the ids of the record's live rows, in order."""
+                 preempted: set[str], finished: set[str],
+                 shadows: bool = False) -> SchedulerOutput:
+    """`req_ids`: the ids of the record's live rows, in order. `shadows`: ask the
+    runner for the draft of each request that samples with k = 0
+    (`SchedulerOutput.shadow_req_ids`)."""
     live = record.live_rows()
     rows = record.rows[live].sum(axis=0).tolist()
     k, rule_k = record.num_draft_tokens[live], record.rule_draft_tokens[live]
     drafting = np.flatnonzero(k).tolist()
     adapted = np.flatnonzero(rule_k > k).tolist()
     pass_rows = dict(zip(record.rule.pass_names, rows))
+    shadowed = np.flatnonzero(record.samples[live] & (k == 0)).tolist() if shadows else []
     return SchedulerOutput(
         scheduled_new_reqs=new_reqs,
         scheduled_cached_reqs=cached_reqs,
@@ -36,4 +40,5 @@ def build_output(record: StepRecord, req_ids: list[str], new_reqs: list[NewReque
         pass_rows=pass_rows,
         preempted_req_ids=preempted,
         finished_req_ids=finished,
+        shadow_req_ids=[req_ids[i] for i in shadowed],
     )

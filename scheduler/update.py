@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request, RequestStatus
@@ -60,6 +61,29 @@ def _append_one_by_one(request: Request, sampled: list[int],
                 or request.num_tokens >= max_model_len):
             return RequestStatus.FINISHED_LENGTH
     return None
+
+
+@dataclass
+class Shadowed:
+    """One step's checks of parked requests' shadow drafts (`SchedulerOutput.
+    shadow_req_ids`): whether each request sampled the draft it would have proposed,
+    the state it was parked in then, and its output tokens then."""
+
+    accepted: list[int] = field(default_factory=list)
+    states: list[int] = field(default_factory=list)
+    produced: list[int] = field(default_factory=list)
+
+    def check(self, request: Request, token: int) -> None:
+        """Count the request's shadow draft as one verified draft, right if `token`,
+        the first it sampled, is the draft: a lookup draft is one token for certain,
+        so the target accepts it with the chance it samples it (greedy: when it is the
+        argmax), and a sampled token equal to it is that chance, drawn once. Its own
+        record and state learn from it as from a verification."""
+        hit = int(token == request.shadow_token_id)
+        request.shadow_token_id = None
+        self.produced.append(request.num_output_tokens)
+        self.states.append(request.record_verification(1, hit))
+        self.accepted.append(hit)
 
 
 def in_schedule_order(out: SchedulerOutput,

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 class NgramMethod(SpecMethod):
     name = "ngram"
     option_names = ("max_window",)
+    shadows = True
 
     def make_proposer(self, config: MethodSettings) -> TokenProposer:
         from spec_decode.ngram import NgramProposer

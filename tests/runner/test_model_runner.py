@@ -23,7 +23,9 @@ from scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from scheduler.config import GoodputSettings
 from spec_decode import SpeculativeConfig
+from spec_decode.ngram import NgramProposer
 
 pytestmark = pytest.mark.model  # loads the real default model
 
@@ -226,3 +228,44 @@ def test_runner_on_cuda_matches_cpu_greedy(prompt_ids: dict[str, list[int]],
     got = generate(sched, runner, prompt_ids, SamplingParams(max_tokens=6))
     assert got == solo
     assert np.all(runner.buffers.input_ids.cpu.is_pinned())
+
+
+def test_a_parked_requests_shadow_draft_is_ngrams_next_draft(
+        model: LlamaForCausalLM, tokenizer: Tokenizer) -> None:
+    """ngram under the goodput policy, which a prior of near-zero acceptance (and no
+    optimism) parks: the runner proposes each parked request's draft all the same, as
+    ngram would over the tokens it holds, and the target never verifies it (the tokens
+    are those of speculation off); the scheduler checks each against the token sampled
+    next, and only those checks can start it drafting (the prompts repeat)."""
+    text = "one two three four, one two three four, one two three four, one two"
+    ids = {"a": tokenizer.encode(text), "b": tokenizer.encode("1 2 3 1 2 3 1 2 3 1")}
+    sched_cfg = SchedulerConfig(64, 8, 512)
+    spec = SpeculativeConfig("ngram", 4, draft_policy="goodput")
+    runner = ModelRunner(RunnerConfig(), sched_cfg, BLOCK, spec, model=model)
+    runner.initialize_kv_cache(64)
+    sched = Scheduler(sched_cfg, CacheConfig(BLOCK, 64, True), spec,
+                      goodput=GoodputSettings(prior_acceptance=0.001, explore=0.0))
+    params = SamplingParams(max_tokens=12)
+    for rid, prompt in ids.items():
+        sched.add_request(Request(rid, prompt, params, eos_token_id=None))
+    proposer = NgramProposer()
+    shadows, tokens, drafted = 0, {rid: [] for rid in ids}, False
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        assert not set(out.shadow_req_ids) & set(out.num_draft_tokens)
+        if out.num_draft_tokens and not drafted:
+            drafted = True
+            assert sched.stats.goodput.shadow_hits > 0  # what started it drafting
+        result = runner.execute(out)
+        for got in sched.update_from_output(out, result):
+            tokens[got.request_id] += got.new_token_ids
+        for rid, token in result.shadow_token_ids.items():
+            request = sched.requests.get(rid)
+            if request is not None:
+                known = np.array(request.all_token_ids)
+                assert token == proposer.propose(rid, known, 1)[0]
+                shadows += 1
+    assert shadows >= 4 and sched.stats.goodput.shadow_checks >= 4
+    assert drafted and sched.stats.spec.num_draft_tokens > 0
+    off_sched, off_runner = make_engine(model)
+    assert generate(off_sched, off_runner, ids, params) == tokens

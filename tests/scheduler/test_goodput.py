@@ -707,7 +707,7 @@ def test_the_scheduler_records_each_verification_at_its_span_of_the_answer(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Every verification is learnt under the span its request's output length was in
     when it drafted: counted here apart from the steps, as output tokens before each
-    step that verified drafts."""
+    step that verified drafts or checked a parked step's shadow draft."""
     sched = make_scheduler("ngram", k=K, budget=256, draft_policy="goodput",
                            max_model_len=512)
     assert sched.policy is not None
@@ -725,8 +725,9 @@ def test_the_scheduler_records_each_verification_at_its_span_of_the_answer(
     want = []
     while sched.has_unfinished_requests():
         before = sched.requests["r"].num_output_tokens
+        shadowed = sched.requests["r"].shadow_token_id is not None
         out, _ = run_step(sched, runner)
-        if out.scheduled_spec_decode_tokens.get("r"):
+        if out.scheduled_spec_decode_tokens.get("r") or shadowed:
             want.append([before])
     assert seen == want and len(want) > 5
     spans = span_of([w[0] for w in want])
@@ -740,8 +741,11 @@ def test_the_scheduler_tells_the_policy_how_long_each_request_went_unverified(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The policy is forced to park the request from its fifth step on; the tokens it
     is told the request made since its last verification are counted here apart,
-    from the steps that verified drafts and the tokens each step made."""
-    sched = make_scheduler("ngram", k=K, budget=256, draft_policy="goodput")
+    from the steps that verified drafts and the tokens each step made. Without shadow
+    drafts (a parked ngram request's would verify it: tests/scheduler/test_shadow.py),
+    as for every method whose drafts cost rows."""
+    sched = make_scheduler("ngram", k=K, budget=256, draft_policy="goodput",
+                           goodput=GoodputSettings(shadow_parked=False))
     assert sched.policy is not None
     seen: list[int] = []
     real_caps = sched.policy.caps
@@ -935,3 +939,20 @@ def test_a_catch_up_charged_whole_keeps_them_parked(method: str) -> None:
     assert not parked_caps(method, 1, left=60).any()
     with pytest.raises(ValueError, match="catch_up_steps"):
         GoodputSettings(catch_up_steps=0)
+
+
+def test_a_closed_batch_that_cannot_fit_a_draft_holds_without_drafting() -> None:
+    """Four requests on a budget of four rows: no plan with a draft fits, so drafting
+    falls short by an infinite margin. The plan drafts nothing and is held the most
+    steps, and holding on for fewer requests scales that margin (it once raised
+    OverflowError turning the infinite margin into steps; found by the state machine)."""
+    taught = policy("ngram", 0.02, 0.0001, 0.9)
+    gp = GoodputPolicy(ThrottleRule(get_method("ngram"), K, 4096), 4, taught.settings,
+                       taught.time_model)
+    gp.acceptance.record([K] * 50, [K] * 50)
+    got = gp.caps(history([10] * 4), np.full(4, 10), np.full(4, ALL_ACCEPTED), np.full(4, K),
+                  remaining=np.full(4, 40))
+    assert not got.any()
+    assert gp.holding(4, closed=True)
+    assert gp.holding(3, closed=True)  # a request finished: held on, fewer steps
+    assert not gp.hold().any()
