@@ -108,8 +108,12 @@ class GoodputSettings:
     evidence_half_life: float = 16.0
     # Where a method's drafts cost no rows (`SpecMethod.shadows`: ngram), a parked
     # request's draft is proposed anyway and checked against the token it samples
-    # next, so its record and state stay current (`SchedulerOutput.shadow_req_ids`).
-    shadow_parked: bool = True
+    # next, so its record and state stay current (`SchedulerOutput.shadow_req_ids`):
+    # for at most this many requests a step, in turn (0: none). Each costs the runner
+    # a proposal (ngram: 3-6 us) and the scheduler a check: at 1,024 running, all of
+    # them parked, checking every one added 0.8 ms to a 2.3 ms scheduler step
+    # (`benchmarks/goodput_cost.py`), and proposing for each ~5 ms to the runner's.
+    max_shadows: int = 64
     # The acceptance estimates' rate tables are rebuilt once the verifications since
     # the last build exceed this share of those they were built on (0: every step).
     stale_share: float = 1 / 64
@@ -228,6 +232,9 @@ class GoodputSettings:
         if self.exhaustive_prefixes < 2:
             raise ValueError(f"GoodputSettings.exhaustive_prefixes must be >= 2 (a grid "
                              f"needs two points), got {self.exhaustive_prefixes!r}")
+        if self.max_shadows < 0:
+            raise ValueError(f"GoodputSettings.max_shadows must be >= 0 requests a step "
+                             f"(0: none), got {self.max_shadows!r}")
 
     def _prior_values(self) -> tuple[float, ...]:
         prior = self.prior_acceptance

@@ -387,13 +387,6 @@ class GoodputPolicy:
         rates teaches how much the next requests' own records count."""
         self.acceptance.record_finished(verifications, first_accepted)
 
-    def observe_shadows(self, accepted: list[int], states: list[int],
-                        produced: list[int]) -> None:
-        """Parked requests' shadow drafts checked this step (scheduler/update.py
-        `Shadowed`): one-draft verifications for the estimates, never for the forecast
-        check (nobody forecast them: the step charged them nothing)."""
-        self.acceptance.record([1] * len(accepted), accepted, states, produced)
-
     def observe_step(self, verified: list[int], accepted: list[int], states: list[int],
                      rows: tuple[int, int, int, int], seconds: float | None,
                      produced: list[int] | None = None,

@@ -57,9 +57,12 @@ class Scheduler:
                                      goodput)
                        if speculative_config is not None
                        and speculative_config.draft_policy == "goodput" else None)
-        # Parked requests' drafts proposed anyway, where proposing costs no rows.
-        self.shadows = (self.policy is not None and self.method is not None
-                        and self.method.shadows and self.policy.settings.shadow_parked)
+        # Parked requests' drafts proposed anyway, where proposing costs no rows: at
+        # most this many a step (0: none), in turn (`_shadow_turn`).
+        self.shadows = (self.policy.settings.max_shadows
+                        if self.policy is not None and self.method is not None
+                        and self.method.shadows else 0)
+        self._shadow_turn = 0
         self.kv = KVCacheManager(cache_config)
         # The bulk plan takes the running requests that take their whole chunk in one
         # numpy pass, whenever the rule is tabled; False plans every request with
@@ -394,7 +397,9 @@ class Scheduler:
             request.num_computed_tokens += n
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
         output = build_output(record, req_ids, new_reqs, self._cached(record, req_ids, num_running),
-                              spec_tokens, preempted, finished, self.shadows)
+                              spec_tokens, preempted, finished, self.shadows,
+                              self._shadow_turn)
+        self._shadow_turn += len(output.shadow_req_ids)
         self.stats.record_step(output)
         self.stats.goodput.catch_up_rows += catch_up
         if self.policy is not None:
@@ -529,9 +534,7 @@ class Scheduler:
         if self.policy is not None:
             self._teach_policy(scheduler_output, runner_output, verified_counts,
                                accepted_counts, states, produced)
-            if shadowed.states:
-                self.policy.observe_shadows(shadowed.accepted, shadowed.states,
-                                            shadowed.produced)
+            if shadowed.accepted:
                 self.stats.goodput.record_shadows(shadowed.accepted)
         if finished:  # (running requests left unscheduled this step stay as they are)
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]

@@ -15,17 +15,19 @@ from scheduler.step_record import StepRecord
 def build_output(record: StepRecord, req_ids: list[str], new_reqs: list[NewRequestData],
                  cached_reqs: CachedRequestData, spec_tokens: dict[str, list[int]],
                  preempted: set[str], finished: set[str],
-                 shadows: bool = False) -> SchedulerOutput:
+                 shadows: int = 0, shadow_start: int = 0) -> SchedulerOutput:
     """`req_ids`: the ids of the record's live rows, in order. `shadows`: ask the
-    runner for the draft of each request that samples with k = 0
-    (`SchedulerOutput.shadow_req_ids`)."""
+    runner for the draft of at most that many requests that sample with k = 0
+    (`SchedulerOutput.shadow_req_ids`), taken in turn from `shadow_start` (mod their
+    count) where more sample so."""
     live = record.live_rows()
     rows = record.rows[live].sum(axis=0).tolist()
     k, rule_k = record.num_draft_tokens[live], record.rule_draft_tokens[live]
     drafting = np.flatnonzero(k).tolist()
     adapted = np.flatnonzero(rule_k > k).tolist()
     pass_rows = dict(zip(record.rule.pass_names, rows))
-    shadowed = np.flatnonzero(record.samples[live] & (k == 0)).tolist() if shadows else []
+    shadowed = _in_turn(np.flatnonzero(record.samples[live] & (k == 0)), shadows,
+                        shadow_start) if shadows else []
     return SchedulerOutput(
         scheduled_new_reqs=new_reqs,
         scheduled_cached_reqs=cached_reqs,
@@ -42,3 +44,11 @@ def build_output(record: StepRecord, req_ids: list[str], new_reqs: list[NewReque
         finished_req_ids=finished,
         shadow_req_ids=[req_ids[i] for i in shadowed],
     )
+
+
+def _in_turn(rows: np.ndarray, most: int, start: int) -> list[int]:
+    """At most `most` of `rows`, the run from `start` (mod their count) on, wrapping."""
+    if len(rows) <= most:
+        return rows.tolist()
+    first = start % len(rows)
+    return np.roll(rows, -first)[:most].tolist()

@@ -707,7 +707,7 @@ def test_the_scheduler_records_each_verification_at_its_span_of_the_answer(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Every verification is learnt under the span its request's output length was in
     when it drafted: counted here apart from the steps, as output tokens before each
-    step that verified drafts or checked a parked step's shadow draft."""
+    step that verified drafts."""
     sched = make_scheduler("ngram", k=K, budget=256, draft_policy="goodput",
                            max_model_len=512)
     assert sched.policy is not None
@@ -725,9 +725,8 @@ def test_the_scheduler_records_each_verification_at_its_span_of_the_answer(
     want = []
     while sched.has_unfinished_requests():
         before = sched.requests["r"].num_output_tokens
-        shadowed = sched.requests["r"].shadow_token_id is not None
         out, _ = run_step(sched, runner)
-        if out.scheduled_spec_decode_tokens.get("r") or shadowed:
+        if out.scheduled_spec_decode_tokens.get("r"):
             want.append([before])
     assert seen == want and len(want) > 5
     spans = span_of([w[0] for w in want])
@@ -745,7 +744,7 @@ def test_the_scheduler_tells_the_policy_how_long_each_request_went_unverified(
     drafts (a parked ngram request's would verify it: tests/scheduler/test_shadow.py),
     as for every method whose drafts cost rows."""
     sched = make_scheduler("ngram", k=K, budget=256, draft_policy="goodput",
-                           goodput=GoodputSettings(shadow_parked=False))
+                           goodput=GoodputSettings(max_shadows=0))
     assert sched.policy is not None
     seen: list[int] = []
     real_caps = sched.policy.caps
