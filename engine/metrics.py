@@ -80,6 +80,8 @@ class _SeenStats:
     accepted_per_pos: list[int] = field(default_factory=list)
     chosen_k: list[int] = field(default_factory=list)
     num_steps: int = 0
+    shadow_checks: int = 0
+    shadow_hits: int = 0
 
 
 class EngineMetrics:
@@ -166,6 +168,13 @@ class EngineMetrics:
             Gauge, "spec_decode_request_weight",
             "Verifications a request's own acceptance record needs before it counts, as "
             "finished requests' spread says.").labels(m)
+        self.spec_shadow_checks = self._add(
+            Counter, "spec_decode_shadow_checks",
+            "Parked requests' shadow drafts checked against the token they sampled "
+            "next (ngram under the goodput policy; never verified).").labels(m)
+        self.spec_shadow_hits = self._add(
+            Counter, "spec_decode_shadow_hits",
+            "... of which the request sampled the draft.").labels(m)
 
     def _make_histograms(self) -> None:
         m = self.model_name
@@ -248,10 +257,14 @@ class EngineMetrics:
             before = seen.accepted_per_pos[pos] if pos < len(seen.accepted_per_pos) else 0
             # inc(0) still creates the position's series, so every position shows.
             self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(total - before)
-        self._on_goodput(stats.goodput, seen.chosen_k)
+        goodput = stats.goodput
+        self._on_goodput(goodput, seen.chosen_k)
+        self.spec_shadow_checks.inc(goodput.shadow_checks - seen.shadow_checks)
+        self.spec_shadow_hits.inc(goodput.shadow_hits - seen.shadow_hits)
         self._seen = _SeenStats(stats.num_preemptions, spec.num_drafts, spec.num_draft_tokens,
                                 spec.num_accepted_tokens, list(per_pos),
-                                list(stats.goodput.chosen_k), stats.num_steps)
+                                list(goodput.chosen_k), stats.num_steps,
+                                goodput.shadow_checks, goodput.shadow_hits)
 
     def _on_goodput(self, goodput: GoodputStats, seen_k: list[int]) -> None:
         """The draft policy's choices and its step-time predictions."""

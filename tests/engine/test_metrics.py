@@ -149,9 +149,9 @@ def test_a_restarted_engine_counts_on_from_its_own_zero() -> None:
 
 
 def test_draft_policy_choices_and_step_time_predictions() -> None:
-    """The chosen-k counter adds each step's new choices once; the step-time gauges
-    show the last timed step, the mean error and the stalls; the request weight, the
-    last learnt."""
+    """The chosen-k and shadow counters add each step's new counts once; the step-time
+    gauges show the last timed step, the mean error and the stalls; the request weight,
+    the last learnt."""
     import numpy as np
 
     registry, core = CollectorRegistry(), FakeCore()
@@ -159,9 +159,11 @@ def test_draft_policy_choices_and_step_time_predictions() -> None:
     goodput = core.scheduler.stats.goodput
     goodput.record_drafts(np.array([0, 2, 2]))
     goodput.record_time(0.010, 0.012)
+    goodput.record_shadows([1, 0, 0])
     metrics.on_step(core, [], {})
     goodput.record_drafts(np.array([0, 0]))
     goodput.record_time(0.020, 0.016)
+    goodput.record_shadows([1, 1])
     goodput.request_weight = 12.5
     goodput.stall_steps = 2
     metrics.on_step(core, [], {})
@@ -173,6 +175,8 @@ def test_draft_policy_choices_and_step_time_predictions() -> None:
     assert value(registry, "step_seconds_mean_abs_error") == pytest.approx(0.003)
     assert value(registry, "spec_decode_request_weight") == 12.5
     assert value(registry, "step_seconds_stall_steps") == 2
+    assert value(registry, "spec_decode_shadow_checks_total") == 5
+    assert value(registry, "spec_decode_shadow_hits_total") == 3
 
 
 def test_budget_pass_rows_and_utilization() -> None:
@@ -202,8 +206,8 @@ def test_every_metric_carries_model_name_and_unregister_frees_names() -> None:
                 "request_success_total", "time_to_first_token_seconds_bucket",
                 "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
                 "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
-                "spec_decode_num_accepted_tokens_total", "budget_pass_rows_bucket",
-                "budget_pass_utilization"]
+                "spec_decode_num_accepted_tokens_total", "spec_decode_shadow_checks_total",
+                "budget_pass_rows_bucket", "budget_pass_utilization"]
     for name in expected:
         assert f"specbudget:{name}" in text, name
     metrics.unregister()
