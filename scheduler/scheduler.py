@@ -29,7 +29,7 @@ from scheduler.request_queue import make_queue
 from scheduler.stats import SchedulerStats
 from scheduler.step_output import build_output
 from scheduler.step_record import StepRecord
-from scheduler.update import Shadowed, append_tokens, count_accepted, in_schedule_order
+from scheduler.update import append_tokens, check_shadow, count_accepted, in_schedule_order
 from spec_decode import SpeculativeConfig
 
 
@@ -59,7 +59,7 @@ class Scheduler:
                        and speculative_config.draft_policy == "goodput" else None)
         # Parked requests' drafts proposed anyway, where proposing costs no rows: at
         # most this many a step (0: none), in turn (`_shadow_turn`).
-        self.shadows = (self.policy.settings.max_shadows
+        self.max_shadows = (self.policy.settings.max_shadows
                         if self.policy is not None and self.method is not None
                         and self.method.shadows else 0)
         self._shadow_turn = 0
@@ -397,7 +397,7 @@ class Scheduler:
             request.num_computed_tokens += n
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
         output = build_output(record, req_ids, new_reqs, self._cached(record, req_ids, num_running),
-                              spec_tokens, preempted, finished, self.shadows,
+                              spec_tokens, preempted, finished, self.max_shadows,
                               self._shadow_turn)
         self._shadow_turn += len(output.shadow_req_ids)
         self.stats.record_step(output)
@@ -486,7 +486,7 @@ class Scheduler:
         accepted_counts: list[int] = []
         states: list[int] = []  # each verifying request's state before it (goodput)
         produced: list[int] = []  # ... and its output tokens then
-        shadowed = Shadowed()  # parked requests' drafts checked (goodput, `shadows`)
+        shadow_hits: list[int] = []  # parked requests' drafts checked (`max_shadows`)
         shadow_ids = runner_output.shadow_token_ids
         for rid, sampled in in_schedule_order(scheduler_output, runner_output):
             request = requests.get(rid)
@@ -497,7 +497,7 @@ class Scheduler:
             chosen_in = request.last_outcome  # the state this step's k was chosen in
             spec = spec_tokens.get(rid)
             if request.shadow_token_id is not None and sampled and not spec:
-                shadowed.check(request, sampled[0])
+                shadow_hits.append(check_shadow(request, sampled[0]))
             if spec or len(sampled) > 1:
                 verified = len(spec) if spec else 0
                 accepted = count_accepted(request, sampled, verified)
@@ -534,8 +534,8 @@ class Scheduler:
         if self.policy is not None:
             self._teach_policy(scheduler_output, runner_output, verified_counts,
                                accepted_counts, states, produced)
-            if shadowed.accepted:
-                self.stats.goodput.record_shadows(shadowed.accepted)
+            if shadow_hits:
+                self.stats.goodput.record_shadows(shadow_hits)
         if finished:  # (running requests left unscheduled this step stay as they are)
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs

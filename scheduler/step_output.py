@@ -15,8 +15,8 @@ from scheduler.step_record import StepRecord
 def build_output(record: StepRecord, req_ids: list[str], new_reqs: list[NewRequestData],
                  cached_reqs: CachedRequestData, spec_tokens: dict[str, list[int]],
                  preempted: set[str], finished: set[str],
-                 shadows: int = 0, shadow_start: int = 0) -> SchedulerOutput:
-    """`req_ids`: the ids of the record's live rows, in order. `shadows`: ask the
+                 max_shadows: int = 0, shadow_start: int = 0) -> SchedulerOutput:
+    """`req_ids`: the ids of the record's live rows, in order. `max_shadows`: ask the
     runner for the draft of at most that many requests that sample with k = 0
     (`SchedulerOutput.shadow_req_ids`), taken in turn from `shadow_start` (mod their
     count) where more sample so."""
@@ -26,8 +26,8 @@ def build_output(record: StepRecord, req_ids: list[str], new_reqs: list[NewReque
     drafting = np.flatnonzero(k).tolist()
     adapted = np.flatnonzero(rule_k > k).tolist()
     pass_rows = dict(zip(record.rule.pass_names, rows))
-    shadowed = _in_turn(np.flatnonzero(record.samples[live] & (k == 0)), shadows,
-                        shadow_start) if shadows else []
+    shadowed = _in_turn(np.flatnonzero(record.samples[live] & (k == 0)), max_shadows,
+                        shadow_start) if max_shadows else []
     return SchedulerOutput(
         scheduled_new_reqs=new_reqs,
         scheduled_cached_reqs=cached_reqs,

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request, RequestStatus
@@ -63,27 +62,21 @@ def _append_one_by_one(request: Request, sampled: list[int],
     return None
 
 
-@dataclass
-class Shadowed:
-    """One step's checks of parked requests' shadow drafts (`SchedulerOutput.
-    shadow_req_ids`): whether each request sampled the draft it would have proposed."""
-
-    accepted: list[int] = field(default_factory=list)
-
-    def check(self, request: Request, token: int) -> None:
-        """Count the request's shadow draft as one verified draft, right if `token`,
-        the first it sampled, is the draft: a lookup draft is one token for certain,
-        so the target accepts it with the chance it samples it (greedy: when it is the
-        argmax), and a sampled token equal to it is that chance, drawn once. The
-        request's own record and state learn from it as from a verification; the
-        policy's per-state rates do not: parked requests are the ones the policy rated
-        low, and pooled into the rates that price every request their checks moved
-        those rates (measured at 16 running, ngram on held-out chat, side by side:
-        0.979x speculation off pooled, 0.987x not; 4 running alike)."""
-        hit = int(token == request.shadow_token_id)
-        request.shadow_token_id = None
-        request.record_verification(1, hit)
-        self.accepted.append(hit)
+def check_shadow(request: Request, token: int) -> int:
+    """1 if `token`, the first a parked request sampled, is the draft it would have
+    proposed (`SchedulerOutput.shadow_req_ids`), else 0; counted in its record as one
+    verified draft. A lookup draft is one token for certain, so the target accepts it
+    with the chance it samples it (greedy: when it is the argmax), and a sampled token
+    equal to it is that chance, drawn once. The request's own record and state learn
+    from it as from a verification; the policy's per-state rates do not: parked
+    requests are the ones the policy rated low, and pooled into the rates that price
+    every request their checks moved those rates (measured at 16 running, ngram on
+    held-out chat, side by side: 0.979x speculation off pooled, 0.987x not; 4 running
+    alike)."""
+    hit = int(token == request.shadow_token_id)
+    request.shadow_token_id = None
+    request.record_verification(1, hit)
+    return hit
 
 
 def in_schedule_order(out: SchedulerOutput,

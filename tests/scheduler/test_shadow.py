@@ -1,7 +1,7 @@
 """Shadow drafts: where a method's drafts cost no rows (ngram), a request the goodput
 policy parks still has its draft proposed, never verified, and checked against the
 token it samples next, so its record and state stay current and it drafts again as
-soon as its drafts would pay (scheduler/update.py `Shadowed`)."""
+soon as its drafts would pay (scheduler/update.py `check_shadow`)."""
 
 from __future__ import annotations
 
