@@ -24,6 +24,7 @@ from runner.eagle3 import Eagle3Head
 from runner.models.llama import LlamaForCausalLM, apply_rope
 from spec_decode.methods import TrainLayout
 from training.layouts import MASK_TOKEN_ID, live_rows, step_targets, train_layout
+from training.vocab_loss import head_cross_entropy, matmul_dtype
 
 logger = logging.getLogger("specbudget.training")
 IGNORE = -100  # no label: padding, prompt text, a row outside its chain
@@ -228,6 +229,8 @@ def unrolled_loss(head: Eagle3Head, batch: Batch, depth: int, layout: TrainLayou
     # Row r of every step predicts the label at r + label_offset (training/layouts.py).
     at = (torch.arange(rows) + layout.label_offset).clamp(0, batch.tokens.shape[1] - 1)
     losses, weights, accs = [], [], []
+    lm_head = head.lm_head.weight
+    lm_head = lm_head.to(matmul_dtype(lm_head))  # once for every step (vocab_loss.py)
     for j, out in enumerate(outs[layout.first_loss_step:], start=layout.first_loss_step):
         target = targets[j]
         assert target is not None
@@ -235,18 +238,22 @@ def unrolled_loss(head: Eagle3Head, batch: Batch, depth: int, layout: TrainLayou
         if not bool(scored.any()):
             accs.append((0, 0))
             continue
-        logits = head.compute_logits(out[scored])
         wanted = target[scored]
-        known = wanted >= 0
         weight = decay ** (j - layout.first_loss_step)
         if batch.final is not None and batch.teacher is not None:
+            logits = head.compute_logits(out[scored])
             final = batch.final[:, at][scored]
             losses.append(weight * soft_loss(logits, final, batch.teacher))
             weights.append(weight)
-        elif bool(known.any()):
-            losses.append(weight * F.cross_entropy(logits[known], wanted[known]))
-            weights.append(weight)
-        accs.append((int((logits.argmax(-1) == wanted).sum()), int(scored.sum())))
+            drafted = logits.detach().argmax(dim=-1)
+        else:
+            # The LM head fused with the loss (training/vocab_loss.py): a MISSING
+            # label adds no loss and counts as a miss.
+            loss, drafted = head_cross_entropy(head.norm(out[scored]), lm_head, wanted)
+            if bool((wanted >= 0).any()):
+                losses.append(weight * loss)
+                weights.append(weight)
+        accs.append((int((drafted == wanted).sum()), int(scored.sum())))
     total = torch.stack(losses).sum() if losses else outs[0].sum() * 0
     return total / max(sum(weights), 1e-9), accs
 
