@@ -42,7 +42,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         count = int(known.sum())
         safe = target.clamp(min=0)
         need_grad = bool(ctx.needs_input_grad[0] or ctx.needs_input_grad[1]) and count > 0
-        grads = torch.empty(len(normed), len(weight), dtype=normed.dtype) if need_grad else None
+        grads = (torch.empty(len(normed), len(weight), dtype=normed.dtype, device=normed.device)
+                 if need_grad else None)
         drafted = torch.empty(len(normed), dtype=torch.int64, device=normed.device)
         total = torch.zeros((), dtype=torch.float32, device=normed.device)
         for start in range(0, len(normed), CHUNK):
@@ -54,7 +55,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             mask = known[rows]
             total += torch.where(mask, lse - picked, 0.0).sum()
             if grads is not None:
-                probs = torch.exp(logits.sub_(lse[:, None]))  # softmax, in place
+                probs = logits.sub_(lse[:, None]).exp_()  # the softmax, in place
                 probs.scatter_add_(1, safe[rows, None], -mask[:, None].float())
                 grads[rows] = probs.mul_(mask[:, None])
         ctx.mark_non_differentiable(drafted)
