@@ -230,7 +230,8 @@ def unrolled_loss(head: Eagle3Head, batch: Batch, depth: int, layout: TrainLayou
     at = (torch.arange(rows) + layout.label_offset).clamp(0, batch.tokens.shape[1] - 1)
     losses, weights, accs = [], [], []
     lm_head = head.lm_head.weight
-    lm_head = lm_head.to(matmul_dtype(lm_head))  # once for every step (vocab_loss.py)
+    if batch.final is None or batch.teacher is None:  # the fused loss runs: cast it once
+        lm_head = lm_head.to(matmul_dtype(lm_head))  # for every step (vocab_loss.py)
     for j, out in enumerate(outs[layout.first_loss_step:], start=layout.first_loss_step):
         target = targets[j]
         assert target is not None
