@@ -43,6 +43,12 @@ class DraftLM(nn.Module):
                 attn: AttentionBackend) -> torch.Tensor:
         return self._model[0](token_ids, positions, kv_caches, meta, attn)
 
+    def write_kv(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[KVCache], meta: AttentionMetadata,
+                 attn: AttentionBackend) -> None:
+        """The whole forward: each layer's K/V read the layer before it."""
+        self.forward(token_ids, hidden, positions, kv_caches, meta, attn)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._model[0].compute_logits(hidden)
 

@@ -132,6 +132,11 @@ class DraftNet(Protocol):
                  kv_caches: list[KVCache], meta: AttentionMetadata,
                  attn: AttentionBackend) -> torch.Tensor: ...
 
+    def write_kv(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[KVCache], meta: AttentionMetadata,
+                 attn: AttentionBackend) -> None:
+        """What `__call__` writes to the KV caches, the same bits, and nothing else."""
+
 
 class ModelDrafter:
     """Runs a model-based method's drafter passes and returns each request's drafts
@@ -271,8 +276,9 @@ class ModelDrafter:
         for draft_pass in passes:
             if draft_pass.num_rows == 0:
                 continue
-            out = self._run(draft_pass, res, target_features)
-            if len(draft_pass.readout):
+            out = self._run(draft_pass, res, target_features,
+                            write_only=not len(draft_pass.readout))
+            if out is not None:
                 read = out[torch.as_tensor(draft_pass.readout, device=out.device)]
                 tokens = self.net.greedy_tokens(read).tolist()
                 for req, token, h in zip(draft_pass.req_index[draft_pass.readout].tolist(),
@@ -299,14 +305,17 @@ class ModelDrafter:
                              np.arange(len(reqs)), one_row, np.zeros(len(reqs), dtype=bool))
             hidden = torch.stack([last_hidden[int(r)] for r in reqs])
             out = self._run(step, res, hidden, direct_hidden=True)
+            assert out is not None
             tokens_out = self.net.greedy_tokens(out).tolist()
             for i, r in enumerate(reqs.tolist()):
                 drafts[r].append(tokens_out[i])
                 last_hidden[r] = out[i]
 
     def _run(self, draft_pass: DraftPass, res: StepResult, hidden_in: torch.Tensor,
-             direct_hidden: bool = False) -> torch.Tensor:
-        """Write one pass into the step buffers and run the drafter over it."""
+             direct_hidden: bool = False, write_only: bool = False) -> torch.Tensor | None:
+        """Write one pass into the step buffers and run the drafter over it: its output
+        hidden states, or with `write_only` (a pass that reads out no draft) only its
+        KV writes, and None."""
         meta = self._write(draft_pass, res)
         rows = draft_pass.num_rows
         if direct_hidden:
@@ -316,6 +325,9 @@ class ModelDrafter:
             self.net.write_context_hidden(self.hidden[:rows], features, src)
         ids = self.buffers.input_ids.copy_to_device(rows)
         pos = self.buffers.positions.copy_to_device(rows)
+        if write_only:
+            self.net.write_kv(ids, self.hidden[:rows], pos, self.kv_caches, meta, self.attn)
+            return None
         return self.net(ids, self.hidden[:rows], pos, self.kv_caches, meta, self.attn)
 
     def _with_cached(self, draft_pass: DraftPass, res: StepResult, features: torch.Tensor

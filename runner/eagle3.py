@@ -119,9 +119,16 @@ class Eagle3Layer(nn.Module):
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rope: Rotary,
                 kv_cache: KVCache, meta: AttentionMetadata,
                 attn: AttentionBackend) -> torch.Tensor:
-        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
-        h = self.self_attn(x, hidden, rope, kv_cache, meta, attn)
+        h = self.self_attn(self._input(embeds, hidden), hidden, rope, kv_cache, meta, attn)
         return self.mlp.forward_add(self.post_attention_layernorm(h), h)
+
+    def write_kv(self, embeds: torch.Tensor, hidden: torch.Tensor, rope: Rotary,
+                 kv_cache: KVCache, meta: AttentionMetadata, attn: AttentionBackend) -> None:
+        """`forward`'s cache writes only (its one layer's K/V need nothing after them)."""
+        self.self_attn.write_kv(self._input(embeds, hidden), rope, kv_cache, meta, attn)
+
+    def _input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
 
 
 class Eagle3Head(nn.Module):
@@ -202,6 +209,17 @@ class Eagle3Head(nn.Module):
         embeds = self.embed(token_ids).to(hidden.dtype)
         rope = Rotary.from_cos_sin(*self.rope(positions, hidden.dtype))
         return self.midlayer(embeds, hidden, rope, kv_caches[0], meta, attn)
+
+    def write_kv(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[KVCache], meta: AttentionMetadata,
+                 attn: AttentionBackend) -> None:
+        """A pass whose outputs nobody reads (DFlash's context pass, a prefill chunk
+        that does not sample): only what `forward` writes to the cache, which is its
+        one layer's K/V. The attention, the output projection and the MLP are most of
+        the layer, skipped."""
+        embeds = self.embed(token_ids).to(hidden.dtype)
+        rope = Rotary.from_cos_sin(*self.rope(positions, hidden.dtype))
+        self.midlayer.write_kv(embeds, hidden, rope, kv_caches[0], meta, attn)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype
              ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,15 @@ class AttentionBackend(ABC):
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Causal paged attention for a mixed batch (prefill chunks and decodes)."""
 
+    def write(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+              value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """This step's K/V rows into their cache slots, as `forward` writes them before
+        it attends: a pass whose outputs nobody reads only writes
+        (`LlamaAttention.write_kv`)."""
+        num_tokens = meta.num_actual_tokens
+        write_kv(key[:num_tokens], value[:num_tokens], key_cache, value_cache,
+                 meta.slot_mapping[:num_tokens])
+
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from runner.attention.backend import AttentionBackend, write_kv
+from runner.attention.backend import AttentionBackend
 from runner.attention.cpu_kernel import KERNEL_DTYPES, load
 from runner.attention.metadata import AttentionMetadata
 
@@ -37,8 +37,7 @@ class CpuPagedAttention(AttentionBackend):
             _check_metadata(meta)
             self._checked = meta
         num_tokens = meta.num_actual_tokens
-        write_kv(key[:num_tokens], value[:num_tokens], key_cache, value_cache,
-                 meta.slot_mapping[:num_tokens])
+        self.write(key, value, key_cache, value_cache, meta)
         query = query[:num_tokens]
         if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
             query = query.contiguous()

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runner.attention.backend import AttentionBackend, write_kv
+from runner.attention.backend import AttentionBackend
 from runner.attention.metadata import AttentionMetadata
 from scheduler.kv_cache_manager import cdiv
 
@@ -113,8 +113,7 @@ class TorchPagedAttention(AttentionBackend):
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         num_tokens = meta.num_actual_tokens
-        write_kv(key[:num_tokens], value[:num_tokens], key_cache, value_cache,
-                 meta.slot_mapping[:num_tokens])
+        self.write(key, value, key_cache, value_cache, meta)
         out = torch.empty_like(query[:num_tokens])
         shape = (key_cache.shape[1], query.shape[1], key_cache.shape[2])
         for plan in self._split(meta, shape):

@@ -24,7 +24,7 @@ import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from runner.attention.backend import AttentionBackend, write_kv
+from runner.attention.backend import AttentionBackend
 from runner.attention.metadata import AttentionMetadata
 
 
@@ -154,8 +154,7 @@ class TritonPagedAttention(AttentionBackend):
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
         self._check(query, key_cache, value_cache, num_heads, num_kv_heads, head_dim)
-        write_kv(key[:num_tokens], value[:num_tokens], key_cache, value_cache,
-                 meta.slot_mapping[:num_tokens])
+        self.write(key, value, key_cache, value_cache, meta)
         out = query.new_empty((num_tokens, num_heads, head_dim))
         if num_tokens == 0:
             return out

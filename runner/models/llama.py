@@ -209,14 +209,8 @@ class LlamaAttention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 attn: AttentionBackend) -> torch.Tensor:
         """residual + o_proj(attention(x)); x, residual [T, *] -> [T, hidden]."""
-        num_tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
-        if self._qkv is not None:
-            qkv = self._qkv(x).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
-        else:
-            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1).view(
-                num_tokens, heads + 2 * kv_heads, self.head_dim)
-        qk = rope(qkv[:, :heads + kv_heads])  # [T, Hq + Hkv, D]
-        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
+        num_tokens = x.shape[0]
+        q, k, v = self._qkv_roped(x, rope)
         out = attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         if out.shape[0] < num_tokens:
             # Backends return only meta.num_actual_tokens rows; padding rows (fixed-size
@@ -226,6 +220,25 @@ class LlamaAttention(nn.Module):
         if self._o is not None:
             return self._o.add(out, residual)
         return residual + self.o_proj(out)  # [T, hidden]
+
+    def write_kv(self, x: torch.Tensor, rope: Rotary, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                 meta: AttentionMetadata, attn: AttentionBackend) -> None:
+        """Only `forward`'s cache writes: the same K/V, bit for bit (the same packed
+        projection and rotation), without the attention and the output projection."""
+        _, k, v = self._qkv_roped(x, rope)
+        attn.write(k, v, kv_cache[0], kv_cache[1], meta)
+
+    def _qkv_roped(self, x: torch.Tensor, rope: Rotary
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (rotated) [T, Hq | Hkv, D] and v [T, Hkv, D] of x [T, *]."""
+        num_tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        if self._qkv is not None:
+            qkv = self._qkv(x).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
+        else:
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1).view(
+                num_tokens, heads + 2 * kv_heads, self.head_dim)
+        qk = rope(qkv[:, :heads + kv_heads])  # [T, Hq + Hkv, D]
+        return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
 
 
 def _stacked(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:

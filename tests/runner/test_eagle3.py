@@ -193,3 +193,38 @@ def test_a_head_method_without_a_trained_head_is_refused(
               speculative_config={**spec, "model": "random"})
     assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0]
                .outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("method", ["dflash", "eagle"])
+def test_passes_that_read_out_no_draft_only_write_kv(model: LlamaForCausalLM,
+                                                     method: str) -> None:
+    """A drafter pass that reads out no draft runs only its KV writes
+    (tests/runner/test_write_only_pass.py checks their bits): DFlash's context pass at
+    every step that drafts, and for both methods a prompt chunk that does not sample.
+    A pass that drafts runs whole: DFlash's query block once a step, eagle's passes
+    once per draft."""
+    llm = LLM(loaded_model=model, num_kv_blocks=32, max_model_len=256,
+              max_num_batched_tokens=16, speculative_config={
+                  "method": method, "num_speculative_tokens": 2, "model": "random",
+                  "draft_policy": "fixed"})
+    head = llm.engine.runner.spec.drafter.net
+    calls = {"forward": 0, "write_kv": 0}
+
+    def counted(name, real):  # type: ignore[no-untyped-def]
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    head.forward = counted("forward", head.forward)
+    head.write_kv = counted("write_kv", head.write_kv)
+    # 40 prompt tokens in chunks of 16: two chunks that do not sample, then one that does.
+    out = llm.generate([list(range(5, 45))], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 12
+    spec = llm.get_metrics()["spec_decode"]
+    steps, drafts = spec["num_drafts"], sum(spec["num_draft_tokens_per_pos"])
+    assert steps >= 5
+    if method == "dflash":
+        assert calls == {"forward": steps, "write_kv": steps + 2}
+    else:
+        assert calls == {"forward": drafts, "write_kv": 2}
