@@ -93,6 +93,33 @@ class DraftPass:
         """[R] first pass row of each request's slice."""
         return np.cumsum(self.rows_per_req) - self.rows_per_req
 
+    def readout_block(self) -> ReadoutBlock | None:
+        """The readout rows as a pass of their own, or None where they are not one: each
+        request's readout rows must be consecutive positions, so that as a query block
+        ending its sequence they attend to exactly the keys they attend to here (rows
+        past them, padding over rejected drafts, are rewritten before anything reads
+        them and stay out)."""
+        reqs = np.flatnonzero(self.reads_per_req > 0)
+        per_req = self.reads_per_req[reqs]
+        positions = self.positions[self.readout]
+        if not len(reqs) or np.any(np.diff(self.readout) <= 0):
+            return None
+        seq_lens = positions[np.cumsum(per_req) - 1] + 1
+        first = np.repeat(np.cumsum(per_req) - per_req, per_req)
+        offsets = np.arange(len(positions)) - first
+        if not np.array_equal(positions, np.repeat(seq_lens - per_req, per_req) + offsets):
+            return None
+        return ReadoutBlock(reqs, per_req, seq_lens)
+
+
+@dataclass(frozen=True)
+class ReadoutBlock:
+    """A pass's readout rows as a pass of their own (`DraftPass.readout_block`)."""
+
+    reqs: np.ndarray  # [A] the requests that read out here
+    per_req: np.ndarray  # [A] their readout rows
+    seq_lens: np.ndarray  # [A] one past the last readout position of each
+
 
 def assemble_rows(method: SpecMethod, n: np.ndarray, k: np.ndarray,
                   context: np.ndarray | None = None) -> list[PassRows]:

@@ -228,3 +228,36 @@ def test_passes_that_read_out_no_draft_only_write_kv(model: LlamaForCausalLM,
         assert calls == {"forward": steps, "write_kv": steps + 2}
     else:
         assert calls == {"forward": drafts, "write_kv": 2}
+
+
+@pytest.mark.parametrize("method", ["eagle", "parallel"])
+def test_readout_rows_alone_draft_as_the_whole_pass(model: LlamaForCausalLM,
+                                                    method: str) -> None:
+    """A pass split in two (every row's K/V, then its readout rows alone; by default
+    past `SPLIT_MIN_SKIPPED` rows that read out nothing) drafts from the same hidden
+    states, bit for bit, as the whole pass: every pass of this run runs both ways."""
+    llm = LLM(loaded_model=model, num_kv_blocks=32, max_model_len=256,
+              max_num_batched_tokens=32, speculative_config={
+                  "method": method, "num_speculative_tokens": 3, "model": "random",
+                  "draft_policy": "fixed"})
+    drafter = llm.engine.runner.spec.drafter
+    real = drafter._run
+    split_rows: list[int] = []
+
+    def both(draft_pass, res, hidden_in, direct_hidden=False, split=None):  # type: ignore[no-untyped-def]
+        if direct_hidden or not len(draft_pass.readout):
+            return real(draft_pass, res, hidden_in, direct_hidden, split)
+        whole = real(draft_pass, res, hidden_in, split=False)
+        alone = real(draft_pass, res, hidden_in, split=True)
+        if draft_pass.readout_block() is not None:
+            split_rows.append(draft_pass.num_rows)
+        assert torch.equal(whole, alone)
+        return alone
+
+    drafter._run = both
+    # Prompts of 40 and 11 tokens: a chunk of 32 that does not sample, then passes of
+    # 8 and 11 rows that read out one each (parallel: and its mask rows), then decodes.
+    outs = llm.generate([list(range(5, 45)), list(range(50, 61))],
+                        SamplingParams(max_tokens=10, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [10, 10]
+    assert len(split_rows) >= 5 and max(split_rows) >= 11

@@ -8,7 +8,14 @@ import pytest
 from runner import BudgetInvariantError
 from runner.invariant import check_filled
 from spec_decode.methods import PassRecipe, get_method
-from spec_decode.passes import MASK_ROW, PassRows, StepResult, fill_pass, plan_step_rows
+from spec_decode.passes import (
+    MASK_ROW,
+    DraftPass,
+    PassRows,
+    StepResult,
+    fill_pass,
+    plan_step_rows,
+)
 
 MASK = 7  # the mask token id
 A = np.array
@@ -155,3 +162,34 @@ def test_a_catch_up_row_reading_an_uncomputed_position_is_refused() -> None:
     out.cached[3], out.hidden_src[3] = True, MASK_ROW  # the row at position 10 = c
     with pytest.raises(BudgetInvariantError, match="cached target features at positions"):
         check_filled("dflash", out, res.q_start, res.num_scheduled, res.computed)
+
+
+def draft_pass(positions: list[int], rows_per_req: list[int], readout: list[int],
+               reads_per_req: list[int]) -> DraftPass:
+    rows = len(positions)
+    req = np.repeat(np.arange(len(rows_per_req)), rows_per_req)
+    return DraftPass("p", req, A(positions), np.zeros(rows, dtype=np.int64),
+                     np.zeros(rows, dtype=np.int64), A(rows_per_req),
+                     A([positions[s] for s in np.cumsum(rows_per_req) - rows_per_req]),
+                     A(readout, dtype=np.int64), A(reads_per_req),
+                     np.zeros(rows, dtype=bool))
+
+
+def test_readout_block_ends_each_sequence_at_its_last_readout() -> None:
+    # Request 0: a prompt chunk at 10..14, the last row read out. Request 1: rows at
+    # 3..7, the real token and two mask rows at 3..5 read out, padding at 6, 7 after.
+    got = draft_pass([10, 11, 12, 13, 14, 3, 4, 5, 6, 7], [5, 5], [4, 5, 6, 7],
+                     [1, 3]).readout_block()
+    assert got is not None
+    assert got.reqs.tolist() == [0, 1] and got.per_req.tolist() == [1, 3]
+    assert got.seq_lens.tolist() == [15, 6]
+    # A request that reads out nothing here stays out.
+    got = draft_pass([10, 11, 3, 4], [2, 2], [3], [0, 1]).readout_block()
+    assert got is not None and got.reqs.tolist() == [1] and got.seq_lens.tolist() == [5]
+
+
+def test_readout_block_refuses_rows_that_are_not_one_block() -> None:
+    # Readout rows at positions 3 and 5 with 4 between them unread: as a block of two
+    # ending at 5, the first would sit at 4 and see a key it must not.
+    assert draft_pass([3, 4, 5], [3], [0, 2], [2]).readout_block() is None
+    assert draft_pass([3, 4], [2], [], [0]).readout_block() is None
