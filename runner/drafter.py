@@ -32,6 +32,7 @@ from spec_decode.measured import MeasuredAcceptance
 from spec_decode.passes import (
     MASK_ROW,
     DraftPass,
+    ReadoutBlock,
     StepResult,
     StepRows,
     fill_pass,
@@ -330,7 +331,6 @@ class ModelDrafter:
             split = rows - len(readout) >= SPLIT_MIN_SKIPPED
         block = draft_pass.readout_block() if split and len(readout) else None
         meta = self._write(draft_pass, res)
-        rows = draft_pass.num_rows
         if direct_hidden:
             self.hidden[:rows] = hidden_in
         else:
@@ -344,18 +344,20 @@ class ModelDrafter:
                 return out
             return out[torch.as_tensor(readout, device=out.device)]
         self.net.write_kv(ids, self.hidden[:rows], pos, self.kv_caches, meta, self.attn)
-        if block is None:
-            return None
-        # The readout rows alone, over the K/V just written (theirs written again,
-        # the same bits): the buffers are refilled only now, after the call that read
-        # them.
+        return None if block is None else self._run_readout(draft_pass, res, block)
+
+    def _run_readout(self, draft_pass: DraftPass, res: StepResult,
+                     block: ReadoutBlock) -> torch.Tensor:
+        """The readout rows of a pass whose K/V are all written, run alone as `block`
+        (theirs written again, the same bits). The step buffers are refilled only now,
+        after the call that read them."""
+        readout = draft_pass.readout
         hidden = self.hidden[torch.as_tensor(readout, device=self.hidden.device)]
         meta = self._fill(draft_pass.token_ids[readout], draft_pass.positions[readout],
                           draft_pass.req_index[readout], res.rows[block.reqs], block.per_req,
                           block.seq_lens, res)
-        count = len(readout)
-        ids = self.buffers.input_ids.copy_to_device(count)
-        pos = self.buffers.positions.copy_to_device(count)
+        ids = self.buffers.input_ids.copy_to_device(len(readout))
+        pos = self.buffers.positions.copy_to_device(len(readout))
         return self.net(ids, hidden, pos, self.kv_caches, meta, self.attn)
 
     def _with_cached(self, draft_pass: DraftPass, res: StepResult, features: torch.Tensor
