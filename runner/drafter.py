@@ -310,7 +310,7 @@ class ModelDrafter:
                              np.full(len(reqs), MASK_ROW), one_row, starts,
                              np.arange(len(reqs)), one_row, np.zeros(len(reqs), dtype=bool))
             hidden = torch.stack([last_hidden[int(r)] for r in reqs])
-            out = self._run(step, res, hidden, direct_hidden=True, split=False)
+            out = self._run(step, res, hidden, direct_hidden=True)
             assert out is not None
             tokens_out = self.net.greedy_tokens(out).tolist()
             for i, r in enumerate(reqs.tolist()):

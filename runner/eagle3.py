@@ -206,9 +206,8 @@ class Eagle3Head(nn.Module):
                 attn: AttentionBackend) -> torch.Tensor:
         """token_ids, positions [R]; hidden [R, H] (projected, or the head's own
         output) -> output hidden [R, H], before the final norm."""
-        embeds = self.embed(token_ids).to(hidden.dtype)
-        rope = Rotary.from_cos_sin(*self.rope(positions, hidden.dtype))
-        return self.midlayer(embeds, hidden, rope, kv_caches[0], meta, attn)
+        return self.midlayer(*self._layer_inputs(token_ids, hidden, positions), kv_caches[0],
+                             meta, attn)
 
     def write_kv(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[KVCache], meta: AttentionMetadata,
@@ -217,9 +216,15 @@ class Eagle3Head(nn.Module):
         that does not sample): only what `forward` writes to the cache, which is its
         one layer's K/V. The attention, the output projection and the MLP are most of
         the layer, skipped."""
+        self.midlayer.write_kv(*self._layer_inputs(token_ids, hidden, positions), kv_caches[0],
+                               meta, attn)
+
+    def _layer_inputs(self, token_ids: torch.Tensor, hidden: torch.Tensor,
+                      positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Rotary]:
+        """The layer's (embeddings, hidden, rotation) for these rows, alike for
+        `forward` and `write_kv`."""
         embeds = self.embed(token_ids).to(hidden.dtype)
-        rope = Rotary.from_cos_sin(*self.rope(positions, hidden.dtype))
-        self.midlayer.write_kv(embeds, hidden, rope, kv_caches[0], meta, attn)
+        return embeds, hidden, Rotary.from_cos_sin(*self.rope(positions, hidden.dtype))
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype
              ) -> tuple[torch.Tensor, torch.Tensor]:
