@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from scheduler.config import GoodputSettings
-from scheduler.request import NUM_OUTCOMES
+from scheduler.request import FRESH, NUM_OUTCOMES
 from scheduler.request_spread import RequestSpread, prior_weight
 
 # Where an answer's spans start, in output tokens: acceptance changes along an answer
@@ -28,6 +28,10 @@ from scheduler.request_spread import RequestSpread, prior_weight
 # estimates are kept per span as well as per state.
 SPAN_STARTS = (16, 32, 64, 128, 256)
 NUM_SPANS = len(SPAN_STARTS) + 1
+# Pseudo-verifications at the method's mix of states behind a request's own
+# (`AcceptanceEstimates.state_mix`): a few, as a request's own record is (its first
+# verifications say little of how its drafts come in runs).
+STATE_MIX_PRIOR = 4.0
 # Up to this many verifications a step, `AcceptanceEstimates.record` adds them one by one:
 # cheaper than its histograms' dozen numpy calls (one request verifies every step).
 _FEW = 4
@@ -125,6 +129,22 @@ class AcceptanceEstimates:
         if total and self.reached.shape[2]:
             forecast = float(np.dot(verifications, self.tables().by_state[:, 0]))
             self.spread.record(total, first_accepted, forecast)
+
+    def state_mix(self, verifications: np.ndarray) -> np.ndarray:
+        """[N, NUM_OUTCOMES] the share of its drafting steps each request spends in each
+        state of its last verification, in the long run: its own verifications per
+        state past its first (FRESH comes once), and the method's mix (the first drafts
+        reached per state) as `STATE_MIX_PRIOR` more, so a request with no history is
+        rated as the method's are."""
+        method = self.reached[:, :, 0].sum(axis=1)
+        method[FRESH] = 0.0
+        total = float(method.sum())
+        mix = method / total if total > 0 else np.full(NUM_OUTCOMES, 1.0 / (NUM_OUTCOMES - 1))
+        mix[FRESH] = 0.0
+        own = np.asarray(verifications, dtype=float).copy()
+        own[:, FRESH] = 0.0
+        weights = own + STATE_MIX_PRIOR * mix
+        return weights / weights.sum(axis=1, keepdims=True)
 
     def pooled_rates(self) -> np.ndarray:
         """[K] acceptance of a reached draft at each position, all states and spans

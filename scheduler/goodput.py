@@ -104,7 +104,7 @@ class GoodputPolicy:
         `_spread_catch_up`). Also sets
         `new_request_cap`, the cap of a request with no history in this batch."""
         num = len(rule_k)
-        planned = remaining is not None and num > 0 and self.settings.finish_when_closed
+        planned = self._plans(num, remaining is not None)
         if self.holding(num, remaining is not None):
             return self.hold()
         self._held = False
@@ -124,7 +124,10 @@ class GoodputPolicy:
             self._kept_threshold = None
             # A plan drafts every request alike or not at all, so optimism there would
             # try drafts on the whole batch at once: at the mean, at the method's K.
-            gains = self._gains(own)
+            gains = self._long_run_gains(
+                np.concatenate([verifications, np.zeros((1, NUM_OUTCOMES), dtype=np.int64)]),
+                np.concatenate([first_accepted, fresh]),
+                None if produced is None else np.concatenate([produced, fresh]))
             limit = np.minimum(limit, self._finish_plan(gains[:num], remaining, catch_up))
             gains[np.arange(self.max_k)[None, :] >= limit[:, None]] = 0.0
             caps = limit
@@ -207,13 +210,7 @@ class GoodputPolicy:
         if not self._may_keep(caps, produced):
             return
         assert produced is not None
-        num = len(caps)
-        each = np.repeat(np.arange(num), NUM_OUTCOMES)
-        outcomes = np.tile(np.arange(NUM_OUTCOMES), num)
-        own, _ = self.acceptance.rates_and_optimism(
-            verifications[each], first_accepted[each], outcomes,
-            unverified=np.zeros(len(each), dtype=np.int64), produced=produced[each])
-        by_state = self._gains(own + bonus[each, None]).reshape(num, NUM_OUTCOMES, -1)
+        by_state = self._gains_by_state(verifications, first_accepted, produced, bonus)
         by_state[..., depth:] = 0.0  # the decision's deepest draft holds in every state
         self._kept = KeptChoice.of(caps, gains, by_state, price, verifications, produced)
 
@@ -224,6 +221,36 @@ class GoodputPolicy:
         settings = self.settings
         return (settings.reuse_steps > 1 and len(caps) <= settings.reuse_max_running
                 and bool(caps.any()) and produced is not None and self.time_model.settled)
+
+    def _gains_by_state(self, verifications: np.ndarray, first_accepted: np.ndarray,
+                        produced: np.ndarray | None,
+                        bonus: np.ndarray | None = None) -> np.ndarray:
+        """[N, NUM_OUTCOMES, K] each request's `_gains` in each state its next
+        verification may leave (its record as it stands, nothing unverified; `bonus`
+        [N] added to its rates if given)."""
+        num = len(verifications)
+        each = np.repeat(np.arange(num), NUM_OUTCOMES)
+        outcomes = np.tile(np.arange(NUM_OUTCOMES), num)
+        own, _ = self.acceptance.rates_and_optimism(
+            verifications[each], first_accepted[each], outcomes,
+            unverified=np.zeros(len(each), dtype=np.int64),
+            produced=None if produced is None else produced[each])
+        if bonus is not None:
+            own = own + bonus[each, None]
+        return self._gains(own).reshape(num, NUM_OUTCOMES, -1)
+
+    def _long_run_gains(self, verifications: np.ndarray, first_accepted: np.ndarray,
+                        produced: np.ndarray | None) -> np.ndarray:
+        """[N, K] each request's gains over the rest of its answer: its gains in each
+        state, weighed by how often it is in that state (`AcceptanceEstimates.
+        state_mix`). A plan spans many steps, over which the state moves with every
+        verification; planned on the state of the moment, the request that had just
+        rejected its drafts was the one the batch waited for, and it set the plan
+        (measured, dflash at 4 running: the plan drafted less than a step's choice and
+        ran 0.96x speculation off against 0.98x, README)."""
+        by_state = self._gains_by_state(verifications, first_accepted, produced)
+        mix = self.acceptance.state_mix(verifications)
+        return (mix[:, :, None] * by_state).sum(axis=1)
 
     def _gains(self, rates: np.ndarray, limit: np.ndarray | None = None) -> np.ndarray:
         """[N, K] the chance each request's first j + 1 drafts are all accepted, by the
@@ -271,7 +298,7 @@ class GoodputPolicy:
         The estimates barely move while nobody drafts, and deciding again costs
         ~0.6 ms in place at one request (measured: the forward evicts the policy's
         code and data from the caches), 4 % of a step."""
-        planned = closed and num > 0 and self.settings.finish_when_closed
+        planned = self._plans(num, closed)
         if self._idle_steps <= 0 or planned != self._idle_planned or num > self._idle_num:
             return False
         if num < self._idle_num:
@@ -302,6 +329,12 @@ class GoodputPolicy:
         self._idle_steps = min(settings.max_idle_steps,
                                max(int(margin / settings.idle_margin_per_step), at_least))
         self._idle_num, self._idle_planned, self._idle_margin = num, planned, margin
+
+    def _plans(self, num: int, closed: bool) -> bool:
+        """Whether `num` running requests, in a batch nobody joins if `closed`, get a
+        closed batch's plan (scheduler/finish_plan.py) rather than a step's choice."""
+        settings = self.settings
+        return closed and num >= max(settings.finish_min_running, 1) and settings.finish_when_closed
 
     def hold(self) -> np.ndarray:
         """This step's caps while `holding`: nobody drafts."""

@@ -532,3 +532,30 @@ def test_attention_engine_quick(tmp_path: Path) -> None:
         assert row["cpu_over_torch"] == pytest.approx(cpu / torch_rate, rel=0.01)
         matched, total = map(int, row["identical_outputs"].split("/"))
         assert total == row["requests"] and 0 <= matched <= total
+
+
+@pytest.mark.model
+def test_goodput_ab_quick(tmp_path: Path) -> None:
+    """Off, goodput, a variant and fixed K = 1 side by side: one ratio to off per engine
+    per pass, the variant's overrides applied, every run token-identical to off."""
+    from benchmarks import goodput_ab
+
+    report = goodput_ab.main(["--runs", "ngram:2:2:1", "--variant",
+                              "finish_min_running=1;finish_min_gain=0.0",
+                              "--max-tokens", "8", "--out", str(tmp_path / "g.json")])
+    assert report["variants"] == ["goodput", "finish_min_running=1;finish_min_gain=0.0",
+                                  "fixed K=1"]
+    (row,) = report["rows"]
+    assert row["identical"] and row["requests"] == 2
+    assert all(len(row["passes_vs_off"][n]) == 1 and row["median_vs_off"][n] > 0
+               for n in report["variants"])
+    assert json.loads((tmp_path / "g.json").read_text()) == report
+
+
+def test_goodput_ab_refuses_a_setting_that_does_not_exist() -> None:
+    """A misspelt setting would A/B the default against itself: refused by name."""
+    from benchmarks import goodput_ab
+
+    assert goodput_ab.parse_variant("finish_min_running=1") == {"finish_min_running": 1}
+    with pytest.raises(SystemExit, match="finish_min_runing"):
+        goodput_ab.parse_variant("finish_min_runing=1")

@@ -15,11 +15,21 @@ from hypothesis import strategies as st
 
 from engine.simulate import synthetic_step_time
 from runner.simulated import SimulatedRunner
+from scheduler.config import GoodputSettings
 from scheduler.finish_plan import finish_caps
 from scheduler.goodput import GoodputPolicy
-from scheduler.request import FRESH
+from scheduler.request import ALL_ACCEPTED, FRESH, NONE_ACCEPTED, NUM_OUTCOMES, SOME_ACCEPTED
 from tests.helpers import make_request, make_scheduler, run_step
-from tests.scheduler.test_goodput import K, history, policy
+from tests.scheduler.test_goodput import K, history
+from tests.scheduler.test_goodput import policy as step_policy
+
+
+def policy(method: str, seconds_per_pass: float, seconds_per_row: float,
+           acceptance: float, **knobs: float) -> GoodputPolicy:
+    """test_goodput.py's policy, planning a closed batch of any size (the default plans
+    only from `finish_min_running` running: these batches are smaller)."""
+    return step_policy(method, seconds_per_pass, seconds_per_row, acceptance,
+                       finish_min_running=1, **knobs)
 
 
 def closed_caps(gp: GoodputPolicy, remaining: list[int], reached: int = 40,
@@ -121,7 +131,8 @@ def run_closed(arrivals_closed: bool) -> dict[str, int]:
     """A batch of one long and seven short requests, drafts mostly accepted; returns
     the drafts each request proposed over the run."""
     sched = make_scheduler("ngram", k=K, budget=256, max_num_seqs=8,
-                           draft_policy="goodput", max_model_len=512)
+                           draft_policy="goodput", max_model_len=512,
+                           goodput=GoodputSettings(finish_min_running=1))
     sched.arrivals_closed = arrivals_closed
     runner = SimulatedRunner(sched, acceptance=0.8, seed=3,
                              step_time=synthetic_step_time(0.02, 0.0002))
@@ -146,6 +157,70 @@ def test_the_scheduler_plans_to_finish_only_when_told_nobody_joins() -> None:
     assert closed["r0"] > 0
     assert sum(closed[f"r{i}"] for i in range(1, 8)) < sum(open_run[f"r{i}"]
                                                            for i in range(1, 8)) / 4
+
+
+def runs_policy() -> GoodputPolicy:
+    """Drafts come in runs: after all were accepted the next first draft is accepted
+    0.8 of the time, after some 0.4, after none 0.05; rows cheap."""
+    gp = policy("ngram", 0.02, 0.0005, acceptance=0.4)
+    rng = np.random.default_rng(1)
+    for state, rate in ((ALL_ACCEPTED, 0.8), (SOME_ACCEPTED, 0.4), (NONE_ACCEPTED, 0.05)):
+        accepted = np.minimum(rng.geometric(1 - rate, 400) - 1, K)
+        gp.acceptance.record([K] * 400, accepted.tolist(), [state] * 400)
+    return gp
+
+
+def test_a_closed_batch_plans_on_each_requests_run_of_states_not_its_last_one() -> None:
+    """A plan spans the rest of each answer, over which a request's state moves with
+    every verification. Four requests with the same record, one of which has just
+    rejected its drafts: it is no slower over the rest of its answer than the others,
+    so the plan is the one it makes when all four have just accepted theirs."""
+    def plan(last: list[int]) -> list[int]:
+        num = len(last)
+        record = np.tile(np.array([0, 10, 10, 10]), (num, 1))  # FRESH, all, some, none
+        return runs_policy().caps(record, np.full(num, 12), np.array(last), np.full(num, K),
+                                  remaining=np.full(num, 48),
+                                  produced=np.full(num, 20)).tolist()
+
+    alike = plan([ALL_ACCEPTED] * 4)
+    assert all(k > 0 for k in alike)
+    assert plan([ALL_ACCEPTED] * 3 + [NONE_ACCEPTED]) == alike
+    assert plan([NONE_ACCEPTED] * 4) == alike
+
+
+def test_a_closed_batch_plans_only_from_finish_min_running_requests(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below `finish_min_running` a closed batch chooses per step, as an open one does
+    (measured: at 4 running the plan drafted less than a step's choice and lost to it,
+    README); from it on, it plans."""
+    import scheduler.goodput as goodput
+
+    calls: list[int] = []
+    plan = goodput.finish_caps
+    monkeypatch.setattr(goodput, "finish_caps",
+                        lambda *a, **k: calls.append(1) or plan(*a, **k))
+    for num, planned in ((3, False), (4, True), (6, True)):
+        gp = step_policy("ngram", 0.02, 0.0005, acceptance=0.7, finish_min_running=4)
+        calls.clear()
+        got = closed_caps(gp, [48] * num)
+        assert bool(calls) == planned and got.any()
+        assert gp.holding(num, closed=True) is False
+    assert GoodputSettings().finish_min_running > 4  # the default: per step at 4
+
+
+def test_a_requests_mix_of_states_is_its_own_record_behind_the_methods() -> None:
+    """With no record a request is in each state as often as the method's drafts were;
+    a long record of rejections puts it mostly in "none accepted"; FRESH comes once."""
+    est = runs_policy().acceptance
+    record = np.zeros((2, NUM_OUTCOMES), dtype=np.int64)
+    record[1, NONE_ACCEPTED] = 100
+    record[1, FRESH] = 1
+    mix = est.state_mix(record)
+    assert np.allclose(mix.sum(axis=1), 1.0) and (mix[:, FRESH] == 0).all()
+    method = est.reached[:, :, 0].sum(axis=1)
+    method[FRESH] = 0.0
+    assert np.allclose(mix[0], method / method.sum())
+    assert mix[1, NONE_ACCEPTED] > 0.95
 
 
 def test_a_closed_batch_is_planned_without_the_optimism_of_fresh_requests() -> None:
@@ -222,7 +297,8 @@ def test_a_held_step_joins_the_time_models_sums_and_the_next_plan_refits() -> No
 def test_a_scheduler_holding_a_plan_skips_the_rules_k(monkeypatch: pytest.MonkeyPatch) -> None:
     """While the policy holds a closed batch's plan the scheduler asks nothing else of
     it: neither the rule's k nor a plan, and nobody drafts."""
-    scheduler = make_scheduler("ngram", k=K, budget=256, draft_policy="goodput")
+    scheduler = make_scheduler("ngram", k=K, budget=256, draft_policy="goodput",
+                               goodput=GoodputSettings(finish_min_running=1))
     gp = scheduler.policy
     assert gp is not None
     runner = SimulatedRunner(scheduler, seed=0, acceptance=0.0)

@@ -945,7 +945,7 @@ def test_a_closed_batch_that_cannot_fit_a_draft_holds_without_drafting() -> None
     falls short by an infinite margin. The plan drafts nothing and is held the most
     steps, and holding on for fewer requests scales that margin (it once raised
     OverflowError turning the infinite margin into steps; found by the state machine)."""
-    taught = policy("ngram", 0.02, 0.0001, 0.9)
+    taught = policy("ngram", 0.02, 0.0001, 0.9, finish_min_running=1)
     gp = GoodputPolicy(ThrottleRule(get_method("ngram"), K, 4096), 4, taught.settings,
                        taught.time_model)
     gp.acceptance.record([K] * 50, [K] * 50)

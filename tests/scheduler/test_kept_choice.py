@@ -158,7 +158,7 @@ def test_a_closed_batchs_plan_that_drafts_is_kept_and_not_a_steps(
     plan = goodput.finish_caps
     monkeypatch.setattr(goodput, "finish_caps",
                         lambda *a, **k: calls.append(1) or plan(*a, **k))
-    gp = policy("ngram", 0.02, 0.0005, acceptance=0.7, reuse_steps=3)
+    gp = policy("ngram", 0.02, 0.0005, acceptance=0.7, reuse_steps=3, finish_min_running=1)
     num = 6
     verifications, produced = history([40] * num), np.full(num, 20)
 
