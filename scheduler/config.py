@@ -155,11 +155,11 @@ class GoodputSettings:
     # soonest (scheduler/finish_plan.py) instead of per step.
     finish_when_closed: bool = True
     # ... while at least this many run; fewer choose per step. Measured side by side
-    # (held-out chat, trained heads, 8 requests through 4 slots, so the second half
-    # of the run is a closed batch; README): at 4 running the plan ran dflash at
-    # 0.97-0.98x speculation off and per-step choices at 1.01-1.03x (parallel 1.07-1.10
-    # against 1.11-1.12, eagle alike); at 16 both alike; at 64 the plan gained
-    # 1-2.5 % (eagle 0.965-0.973 against 0.948, ngram 0.984-0.989 against 0.970).
+    # (benchmarks/goodput_ab.py: held-out chat, trained heads, 8 requests through 4
+    # slots, so the second half of each run is a closed batch; README): at 4 running
+    # the plan ran dflash at 0.96-1.00x speculation off and per-step choices at
+    # 1.01-1.04x (parallel 1.07-1.10 against 1.11-1.12); at 16 both alike; at 64 the
+    # plan was ahead by 0-2.5 % (ngram 0.987-0.989 against 0.970-0.976).
     finish_min_running: int = 16
     # ... drafting only where the plan saves at least this share of the time without
     # drafts: where it barely pays, the estimates' errors decide (measured at 16

@@ -33,7 +33,9 @@ request's cap looked up by the state its last verification left
 
 That aim is right while a finished request's slot is refilled. When the caller says
 nobody joins (offline `generate`) and nothing waits, the batch ends with its slowest
-request, and scheduler/finish_plan.py chooses k to finish it soonest instead.
+request, and scheduler/finish_plan.py chooses k to finish it soonest instead, on each
+request's rates over the rest of its answer (`_long_run_gains`), while at least
+`GoodputSettings.finish_min_running` run (fewer choose per step: measured, README).
 """
 
 from __future__ import annotations
@@ -111,23 +113,18 @@ class GoodputPolicy:
         kept = self._kept_caps(verifications, states, rule_k, produced, planned)
         if kept is not None:
             return kept
+        # Each request's record, and a fresh request's (no history) after them.
         fresh = np.zeros(1, dtype=np.int64)
-        own, bonus = self.acceptance.rates_and_optimism(
-            np.concatenate([verifications, np.zeros((1, NUM_OUTCOMES), dtype=np.int64)]),
-            np.concatenate([first_accepted, fresh]),
-            np.concatenate([states, fresh + FRESH]),
-            unverified=None if unverified is None else np.concatenate([unverified, fresh]),
-            produced=None if produced is None else np.concatenate([produced, fresh]))
+        records = np.concatenate([verifications, np.zeros((1, NUM_OUTCOMES), dtype=np.int64)])
+        firsts = np.concatenate([first_accepted, fresh])
+        outputs = None if produced is None else np.concatenate([produced, fresh])
         limit = np.concatenate([rule_k, [self.max_k]])
         catch_up = np.zeros(num, dtype=np.int64) if behind is None else behind
         if planned and remaining is not None:
             self._kept_threshold = None
             # A plan drafts every request alike or not at all, so optimism there would
             # try drafts on the whole batch at once: at the mean, at the method's K.
-            gains = self._long_run_gains(
-                np.concatenate([verifications, np.zeros((1, NUM_OUTCOMES), dtype=np.int64)]),
-                np.concatenate([first_accepted, fresh]),
-                None if produced is None else np.concatenate([produced, fresh]))
+            gains = self._long_run_gains(records, firsts, outputs)
             limit = np.minimum(limit, self._finish_plan(gains[:num], remaining, catch_up))
             gains[np.arange(self.max_k)[None, :] >= limit[:, None]] = 0.0
             caps = limit
@@ -138,6 +135,10 @@ class GoodputPolicy:
                 self._kept = KeptChoice.of_plan(caps[:num], gains[:num], verifications,
                                                 produced)
         else:
+            own, bonus = self.acceptance.rates_and_optimism(
+                records, firsts, np.concatenate([states, fresh + FRESH]),
+                unverified=None if unverified is None else np.concatenate([unverified, fresh]),
+                produced=outputs)
             gains = self._gains(own + bonus[:, None], limit)
             threshold, price, margin, depth = self._searched(
                 gains[:num], num, self._spread_catch_up(catch_up, left))
