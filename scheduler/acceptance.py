@@ -229,10 +229,7 @@ class AcceptanceEstimates:
             verifications = verifications * weight[:, None]
             first_accepted = first_accepted * weight
             own = own * weight[:, None] + by_span[spans] * (1.0 - weight[:, None])
-        first = float(pooled[0]) if len(pooled) else 0.0
-        pseudo = self.spread.weight * first
-        expected = verifications @ by_state[:, 0] if len(pooled) else 0.0
-        scale = (first_accepted + pseudo) / (expected + pseudo) if first > 0 else 1.0
+        scale = self._record_scale(verifications, first_accepted, pooled, by_state)
         # Optimism shrinks with the request's own history and with the method's: once
         # the batch has verified hundreds of drafts, a fresh request is most likely
         # like them, and exploring it costs verification rows (and maybe a drafter
@@ -240,6 +237,29 @@ class AcceptanceEstimates:
         method_doubt = np.sqrt(s.prior_weight / (s.prior_weight + s.prior_evidence + seen))
         bonus = s.explore * method_doubt / (1.0 + verifications.sum(axis=1))
         return own * np.reshape(scale, (-1, 1)), bonus
+
+
+    def rates_by_state(self, verifications: np.ndarray, first_accepted: np.ndarray,
+                       produced: np.ndarray | None = None) -> np.ndarray:
+        """[N, NUM_OUTCOMES, K] each request's rates (unclipped) in every state its
+        next verification may leave, its record as it stands (nothing unverified):
+        `rates_and_optimism` for each state, in one lookup."""
+        pooled, by_state, _, cells, _ = self.tables()
+        spans = (span_of(produced) if produced is not None
+                 else np.zeros(len(verifications), dtype=int))
+        scale = self._record_scale(verifications, first_accepted, pooled, by_state)
+        return cells[:, spans].transpose(1, 0, 2) * np.reshape(scale, (-1, 1, 1))
+
+    def _record_scale(self, verifications: np.ndarray, first_accepted: np.ndarray,
+                      pooled: np.ndarray, by_state: np.ndarray) -> np.ndarray | float:
+        """Each request's first-draft acceptances over what its states predicted, shrunk
+        toward 1 by `spread.weight` pseudo-verifications (`rates_and_optimism`)."""
+        first = float(pooled[0]) if len(pooled) else 0.0
+        if first <= 0:
+            return 1.0
+        pseudo = self.spread.weight * first
+        expected = verifications @ by_state[:, 0]
+        return (first_accepted + pseudo) / (expected + pseudo)
 
 
 class ForecastCheck:

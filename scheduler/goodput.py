@@ -229,16 +229,10 @@ class GoodputPolicy:
         """[N, NUM_OUTCOMES, K] each request's `_gains` in each state its next
         verification may leave (its record as it stands, nothing unverified; `bonus`
         [N] added to its rates if given)."""
-        num = len(verifications)
-        each = np.repeat(np.arange(num), NUM_OUTCOMES)
-        outcomes = np.tile(np.arange(NUM_OUTCOMES), num)
-        own, _ = self.acceptance.rates_and_optimism(
-            verifications[each], first_accepted[each], outcomes,
-            unverified=np.zeros(len(each), dtype=np.int64),
-            produced=None if produced is None else produced[each])
+        rates = self.acceptance.rates_by_state(verifications, first_accepted, produced)
         if bonus is not None:
-            own = own + bonus[each, None]
-        return self._gains(own).reshape(num, NUM_OUTCOMES, -1)
+            rates = rates + bonus[:, None, None]
+        return self._gains(rates)
 
     def _long_run_gains(self, verifications: np.ndarray, first_accepted: np.ndarray,
                         produced: np.ndarray | None) -> np.ndarray:
@@ -254,9 +248,9 @@ class GoodputPolicy:
         return (mix[:, :, None] * by_state).sum(axis=1)
 
     def _gains(self, rates: np.ndarray, limit: np.ndarray | None = None) -> np.ndarray:
-        """[N, K] the chance each request's first j + 1 drafts are all accepted, by the
-        forecast check's factor, 0 past its limit (if given)."""
-        gains = np.minimum(np.cumprod(np.clip(rates, 0.0, 0.99), axis=1) * self.check.factor,
+        """[N, K] (or [..., K]) the chance each request's first j + 1 drafts are all
+        accepted, by the forecast check's factor, 0 past its limit (if given, [N])."""
+        gains = np.minimum(np.cumprod(np.clip(rates, 0.0, 0.99), axis=-1) * self.check.factor,
                            0.99)
         if limit is not None:
             gains[np.arange(self.max_k)[None, :] >= limit[:, None]] = 0.0

@@ -955,3 +955,26 @@ def test_a_closed_batch_that_cannot_fit_a_draft_holds_without_drafting() -> None
     assert gp.holding(4, closed=True)
     assert gp.holding(3, closed=True)  # a request finished: held on, fewer steps
     assert not gp.hold().any()
+
+
+def test_rates_by_state_are_each_states_rates_in_one_lookup() -> None:
+    """`rates_by_state` (the kept choice's and the closed plan's table) gives, for every
+    state, exactly what `rates_and_optimism` gives a request in that state with nothing
+    unverified: its span's cell, scaled by its own record."""
+    gp = policy("ngram", 0.02, 0.0005, acceptance=0.5)
+    rng = np.random.default_rng(5)
+    for state, rate in ((ALL_ACCEPTED, 0.8), (SOME_ACCEPTED, 0.4), (NONE_ACCEPTED, 0.1)):
+        accepted = np.minimum(rng.geometric(1 - rate, 200) - 1, K)
+        gp.acceptance.record([K] * 200, accepted.tolist(), [state] * 200,
+                             rng.integers(0, 300, 200).tolist())
+    num = 7
+    record = rng.integers(0, 30, (num, NUM_OUTCOMES))
+    firsts = rng.integers(0, 30, num)
+    produced = rng.integers(0, 300, num)
+    table = gp.acceptance.rates_by_state(record, firsts, produced)
+    assert table.shape == (num, NUM_OUTCOMES, K)
+    for state in range(NUM_OUTCOMES):
+        own, _ = gp.acceptance.rates_and_optimism(record, firsts, np.full(num, state),
+                                                  np.zeros(num, dtype=int), produced)
+        assert np.array_equal(table[:, state], own)
+    assert not np.allclose(table[:, ALL_ACCEPTED], table[:, NONE_ACCEPTED])

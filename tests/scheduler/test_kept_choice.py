@@ -27,15 +27,17 @@ def runs_policy(reuse_steps: int) -> GoodputPolicy:
 
 
 def decisions(gp: GoodputPolicy, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the decisions `gp` makes (each reads the estimates' rates)."""
+    """Counts the decisions `gp` makes (each reads the estimates' rates) and the caps
+    per state it builds to keep one (each reads every state's rates)."""
     made = [0]
-    read = gp.acceptance.rates_and_optimism
+    for name in ("rates_and_optimism", "rates_by_state"):
+        read = getattr(gp.acceptance, name)
 
-    def counted(*args: object, **kwargs: object) -> tuple[np.ndarray, np.ndarray]:
-        made[0] += 1
-        return read(*args, **kwargs)  # type: ignore[arg-type]
+        def counted(*args: object, read: object = read, **kwargs: object) -> object:
+            made[0] += 1
+            return read(*args, **kwargs)  # type: ignore[operator]
 
-    monkeypatch.setattr(gp.acceptance, "rates_and_optimism", counted)
+        monkeypatch.setattr(gp.acceptance, name, counted)
     return made
 
 
