@@ -58,7 +58,7 @@ def one_pass(model: LlamaForCausalLM, method: str, running: int, prompts: list[s
     configs = ([(None, "off", 4, None), (method, "goodput", 4, head)]
                + [(method, "goodput", 4, head)] * len(variants) + [(method, "fixed", 1, head)])
     engines = [sd.engine_for(model, c, running) for c in configs]
-    for engine, over in zip(engines[2:], variants, strict=False):
+    for engine, over in zip(engines[2:2 + len(variants)], variants, strict=True):
         policy = engine.engine.scheduler.policy
         assert policy is not None
         policy.settings = dataclasses.replace(policy.settings, **over)  # type: ignore[arg-type]

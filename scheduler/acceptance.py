@@ -238,7 +238,6 @@ class AcceptanceEstimates:
         bonus = s.explore * method_doubt / (1.0 + verifications.sum(axis=1))
         return own * np.reshape(scale, (-1, 1)), bonus
 
-
     def rates_by_state(self, verifications: np.ndarray, first_accepted: np.ndarray,
                        produced: np.ndarray | None = None) -> np.ndarray:
         """[N, NUM_OUTCOMES, K] each request's rates (unclipped) in every state its
