@@ -396,13 +396,14 @@ class GoodputPolicy:
         (measured: eagle at 4 running, goodput's steps cost fixed K = 2's and made
         fixed K = 1's tokens; this alone did not close that gap, README). Also, where
         no draft is worth it at any depth, by how much the best prefix falls short."""
-        depths = range(1, self.max_k + 1) if self.costs.sequential else (self.max_k,)
         drafts = SortedDrafts.of(gains)
+        found = (self.search.best_by_depth(drafts, num_sampling, catch_up, self.max_k)
+                 if self.costs.sequential
+                 else [self.search.best(drafts, num_sampling, catch_up)])
+        depths = range(1, self.max_k + 1) if self.costs.sequential else (self.max_k,)
         best: Best | None = None
         best_depth, shortfall = self.max_k, np.inf
-        for depth in depths:
-            got = self.search.best(drafts.below_depth(depth) if depth < self.max_k
-                                   else drafts, num_sampling, catch_up)
+        for depth, got in zip(depths, found, strict=True):
             if got.threshold < np.inf and (best is None or got.rate > best.rate):
                 best, best_depth = got, depth
             shortfall = min(shortfall, got.margin)

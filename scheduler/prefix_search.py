@@ -1,21 +1,22 @@
-"""The goodput policy's search: which prefix of the batch's drafts, sorted by gain,
-gives the step the most expected tokens per predicted second.
+"""The goodput policy's search: which prefix of the batch's drafts, sorted by gain, gives
+the step the most expected tokens per predicted second.
 
 The drafts are sorted once per decision (`SortedDrafts`); a sequential drafter's
-depths are searched on subsequences of that one order. A prefix fits while its target
-rows stay within the budget and its drafts still gain (both hold for a prefix and then
-stop, so the search is over that prefix alone). Up to `exhaustive` prefixes are priced
-one by one; past it (256 running at K = 4 has 1,024), every `m`-th is priced, and the
-first `m` from the start and from each prefix that adds a drafter pass (where the
-price jumps), then every prefix within `m` of the best of those: pricing a prefix is
-the step-time model's features and their spread, 13 columns a prefix, and at 1,024
-running that was half a decision (measured: `benchmarks/goodput_cost.py`, README).
-The rate along the prefixes is smooth at that size (a draft adds a thousandth of the
-step's rows), but the optimistic price may peak a few drafts past a jump, and the
-running maximum that keeps a misfit from rewarding drafts carries such a peak on;
-`tests/scheduler/test_prefix_search.py` checks the rate of the grid's choice against
-the best prefix's, and that a grid without those runs and the refinement misses.
-"""
+depths are searched on subsequences of that one order, all priced in one call of the
+time model where each is priced one by one (`PrefixSearch.best_by_depth`). A prefix
+fits while its target rows stay within the budget and its drafts still gain (both hold
+for a prefix and then stop, so the search is over that prefix alone). Up to
+`exhaustive` prefixes are priced one by one; past it (256 running at K = 4 has 1,024),
+every `m`-th is priced, and the first `m` from the start and from each prefix that
+adds a drafter pass (where the price jumps), then every prefix within `m` of the best
+of those: pricing a prefix is the step-time model's features and their spread, 13
+columns a prefix, and at 1,024 running that was half a decision (measured:
+`benchmarks/goodput_cost.py`, README). The rate along the prefixes is smooth at that
+size (a draft adds a thousandth of the step's rows), but the optimistic price may peak
+a few drafts past a jump, and the running maximum that keeps a misfit from rewarding
+drafts carries such a peak on; `tests/scheduler/test_prefix_search.py` checks the rate
+of the grid's choice against the best prefix's, and that a grid without those runs and
+the refinement misses."""
 
 from __future__ import annotations
 
@@ -87,6 +88,26 @@ def price(tokens: np.ndarray, at: np.ndarray, rate: np.ndarray, best: int,
     return threshold
 
 
+def deepest_by_depth(index: np.ndarray, max_depth: int) -> np.ndarray:
+    """[D, n] for each depth d = 1..D, the deepest draft (index + 1) among those of the
+    order `index` below d up to each position: the full order's running deepest, capped
+    at d (a request's shallower drafts come first in the order, so past a draft of
+    index >= d its request's draft of index d - 1 came before it)."""
+    return np.minimum(np.maximum.accumulate(index + 1), np.arange(1, max_depth + 1)[:, None])
+
+
+def _best_of(gain: np.ndarray, tokens: np.ndarray, at: np.ndarray, rate: np.ndarray) -> Best:
+    """`PrefixSearch.best` from the prefixes priced (`at`, 0 first) and their rates;
+    `gain`: the drafts' gains in order, `tokens`: each prefix's expected tokens."""
+    best = int(np.argmax(rate))
+    if at[best] > 0:
+        smallest = float(gain[at[best] - 1])
+        return Best(float(rate[best]), smallest, 0.0, price(tokens, at, rate, best, smallest))
+    runner_up = float(rate[1:].max(initial=-np.inf))
+    return Best(float(rate[0]), np.inf,
+                1.0 - runner_up / rate[0] if runner_up > 0 else 0.0, np.inf)
+
+
 @dataclass(frozen=True)
 class PrefixSearch:
     """What a step costs and may hold: the search's fixed inputs for one policy."""
@@ -104,14 +125,59 @@ class PrefixSearch:
         share; 0 where drafts win or none fits)."""
         prefixes = self.prefixes(drafts, num_sampling, catch_up)
         at, rate = self._search(prefixes)
-        best = int(np.argmax(rate))
-        if at[best] > 0:
-            smallest = float(drafts.gain[at[best] - 1])
-            return Best(float(rate[best]), smallest, 0.0,
-                        price(prefixes.tokens, at, rate, best, smallest))
-        runner_up = float(rate[1:].max(initial=-np.inf))
-        return Best(float(rate[0]), np.inf,
-                    1.0 - runner_up / rate[0] if runner_up > 0 else 0.0, np.inf)
+        return _best_of(drafts.gain, prefixes.tokens, at, rate)
+
+    def best_by_depth(self, drafts: SortedDrafts, num_sampling: int, catch_up: np.ndarray,
+                      max_depth: int) -> list[Best]:
+        """`best` of the drafts below each depth 1..max_depth (`SortedDrafts.below_depth`:
+        a sequential drafter's search). Where every depth's prefixes are priced one by
+        one, all of them go to the time model in one call: four calls of `best` were
+        two thirds of a decision for eagle at 1-16 running (~240 of ~340 us, measured
+        alone; a decision is ~0.45 ms in place at 4 running, where the forward evicts
+        the policy's data). The same prefixes: a depth's are the full order's positions
+        holding a draft below it, its sums those of the full order with the other
+        drafts' terms zero."""
+        costs = self.costs
+        n = int(np.count_nonzero(drafts.gain > 0))
+        index, gain = drafts.index[:n], drafts.gain[:n]
+        if n >= self.exhaustive and (num_sampling + np.cumsum(costs.target[index])
+                                     <= self.budget).sum() >= self.exhaustive:
+            return self._each_depth(drafts, num_sampling, catch_up, max_depth)
+        kept = index[None, :] < np.arange(1, max_depth + 1)[:, None]  # [D, n]
+        target = num_sampling + np.cumsum(costs.target[index] * kept, axis=1)
+        kept &= target <= self.budget  # target only grows: a prefix of each depth's drafts
+        counts = kept.sum(axis=1)
+        if int(counts.max(initial=0)) >= self.exhaustive:
+            return self._each_depth(drafts, num_sampling, catch_up, max_depth)
+        base = num_sampling * costs.drafter_base
+        added = costs.drafter[index] + np.where(index == 0, catch_up[drafts.request[:n]], 0)
+        drafter = base + np.cumsum(added * kept, axis=1)
+        tokens = num_sampling + np.cumsum(gain * kept, axis=1)
+        deepest = deepest_by_depth(index, max_depth)
+        passes = costs.passes_at_depth(deepest) if num_sampling else np.zeros_like(deepest)
+        no_draft = costs.passes_at_depth(np.zeros(1, dtype=np.int64))[0] if num_sampling else 0
+        rows = np.concatenate([[num_sampling], target[kept]])
+        seconds = self.time_model.predict_optimistic(
+            rows, rows, np.concatenate([[base], drafter[kept]]),
+            np.concatenate([[no_draft], passes[kept]]))
+        ends = np.cumsum(counts)
+        got = []
+        for depth in range(max_depth):
+            own = np.concatenate([[seconds[0]], seconds[1 + ends[depth] - counts[depth]:
+                                                        1 + ends[depth]]])
+            # A misfit that predicts less time for more rows must not reward drafting.
+            own = np.maximum.accumulate(own)
+            own_tokens = np.concatenate([[float(num_sampling)], tokens[depth][kept[depth]]])
+            at = np.arange(len(own))
+            got.append(_best_of(gain[kept[depth]], own_tokens, at, own_tokens / own))
+        return got
+
+    def _each_depth(self, drafts: SortedDrafts, num_sampling: int, catch_up: np.ndarray,
+                    max_depth: int) -> list[Best]:
+        """`best_by_depth` one depth at a time: where a depth's prefixes are too many
+        to price one by one, each depth's grid is its own."""
+        return [self.best(drafts.below_depth(depth) if depth < max_depth else drafts,
+                          num_sampling, catch_up) for depth in range(1, max_depth + 1)]
 
     def prefixes(self, drafts: SortedDrafts, num_sampling: int,
                  catch_up: np.ndarray) -> Prefixes:

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scheduler import prefix_search
 from scheduler.budget import ThrottleRule
 from scheduler.config import GoodputSettings
 from scheduler.prefix_search import Prefixes, PrefixSearch, SortedDrafts
@@ -100,6 +101,49 @@ def test_the_search_over_the_prefixes_that_fit_finds_what_pricing_all_did(
         want = reference(found, gains, 40, catch_up)
         assert got[1] == want[1] and got[0] == pytest.approx(want[0], rel=1e-12)
         assert got[2] == pytest.approx(want[2], rel=1e-12)
+
+
+def by_depth_and_alone(method: str, seed: int, num: int, budget: int,
+                       exhaustive: int = 256) -> tuple[list, list]:
+    """A sequential drafter's depths searched in one call (`best_by_depth`) and each
+    depth's drafts searched alone, on a noisy clock, with catch-ups, requests whose rule
+    allows fewer drafts and ties."""
+    found = search(method, seed, steps=seed * 8, budget=budget, exhaustive=exhaustive)
+    rng = np.random.default_rng(seed)
+    gains = batch(seed, num)
+    gains[rng.random(num) < 0.3, 2:] = 0.0
+    gains[rng.random(num) < 0.2] = gains[0]  # ties across requests
+    catch_up = rng.integers(0, 40, num) * rng.integers(0, 2, num) / 8.0
+    drafts = SortedDrafts.of(gains)
+    alone = [found.best(drafts.below_depth(depth), num, catch_up) for depth in range(1, K + 1)]
+    return found.best_by_depth(drafts, num, catch_up, K), alone
+
+
+@pytest.mark.parametrize("num", [1, 2, 4, 16, 40])
+@pytest.mark.parametrize("budget", [6, 24, 4096])
+def test_every_depth_searched_in_one_call_finds_what_each_depth_alone_did(
+        num: int, budget: int) -> None:
+    """Below `exhaustive`, pricing every depth's prefixes in one call of the time model
+    gives each depth the rate, threshold, shortfall and price its own search gives, to
+    the last bit (the decision digests hold too, benchmarks/decision_digest.py); past
+    it, each depth's grid runs alone."""
+    for seed in range(8):
+        for exhaustive in (256, 3):
+            together, alone = by_depth_and_alone("eagle", seed, num, budget, exhaustive)
+            assert together == alone
+
+
+def test_the_depth_check_fails_a_search_that_does_not_cap_the_depth(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above is real: priced with the passes of the whole order (the deepest
+    draft so far not capped at the depth), the shallow depths' prices are wrong."""
+    def uncapped(index: np.ndarray, max_depth: int) -> np.ndarray:
+        return np.broadcast_to(np.maximum.accumulate(index + 1), (max_depth, len(index)))
+
+    monkeypatch.setattr(prefix_search, "deepest_by_depth", uncapped)
+    differ = sum(together != alone for seed in range(8)
+                 for together, alone in [by_depth_and_alone("eagle", seed, 16, 4096)])
+    assert differ > 0
 
 
 def grid_shortfall(found: PrefixSearch, num: int, seed: int) -> float:
