@@ -298,3 +298,36 @@ class ForecastCheck:
         fade = self.decay ** verified
         self.forecast = self.forecast * fade + per_draft * verified
         self.accepted = self.accepted * fade + accepted
+
+
+class ProposalRates:
+    """How often a request allowed j drafts proposed at least j, per position j: a
+    lookup drafter proposes only what its tables match (held-out chat at 16 running,
+    K = 4: suffix proposed none in 49 % of the request-steps that allowed drafts, ngram
+    in 63 %; a model drafter always proposes what it is allowed). The acceptance rates
+    are per draft proposed, so a request's expected accepted drafts per step at k are
+    these rates times the acceptance gains. Counted with the estimates' decay, behind
+    one allowed draft proposed per position, so with nothing seen (or a model drafter)
+    the rates are exactly 1."""
+
+    def __init__(self, max_k: int, decay: float) -> None:
+        self.decay = decay
+        self.allowed = np.ones(max_k)
+        self.proposed = np.ones(max_k)
+
+    @property
+    def rates(self) -> np.ndarray:
+        """[K] the chance a request allowed j + 1 drafts proposes at least j + 1."""
+        return self.proposed / self.allowed
+
+    def record(self, allowed: list[int], proposed: list[int]) -> None:
+        """One step's requests that were allowed drafts: how many each was allowed and
+        how many it proposed."""
+        if not allowed:
+            return
+        fade = self.decay ** len(allowed)
+        positions = np.arange(len(self.allowed))[None, :]
+        k = np.asarray(allowed)[:, None]
+        got = np.minimum(np.asarray(proposed), k[:, 0])[:, None]
+        self.allowed = self.allowed * fade + (positions < k).sum(axis=0)
+        self.proposed = self.proposed * fade + (positions < got).sum(axis=0)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler.acceptance import AcceptanceEstimates, ForecastCheck
+from scheduler.acceptance import AcceptanceEstimates, ForecastCheck, ProposalRates
 from scheduler.budget import ThrottleRule
 from scheduler.config import GoodputSettings
 from scheduler.finish_plan import finish_caps
@@ -65,6 +65,7 @@ class GoodputPolicy:
         kind = rule.method.drafter if rule.method is not None else None
         self.acceptance = AcceptanceEstimates(rule.max_k, self.settings, kind)
         self.check = ForecastCheck(self.settings)
+        self.proposals = ProposalRates(rule.max_k, self.settings.decay)
         self.time_model = time_model or StepTimeModel(kind, self.settings)
         self.search = PrefixSearch(self.costs, self.time_model, max_num_batched_tokens,
                                    self.settings.exhaustive_prefixes)
@@ -125,7 +126,13 @@ class GoodputPolicy:
             # A plan drafts every request alike or not at all, so optimism there would
             # try drafts on the whole batch at once: at the mean, at the method's K.
             gains = self._long_run_gains(records, firsts, outputs)
-            limit = np.minimum(limit, self._finish_plan(gains[:num], remaining, catch_up))
+            # The plan's horizon is its slowest request's, and a request whose drafter
+            # proposes nothing on a step gains nothing on it: the rates are per draft
+            # proposed (so is the forecast check below: it keeps `gains`). Read as if
+            # every allowed draft were proposed, suffix's plans at 64 running drafted
+            # the batch's tail and saved no step (`ProposalRates`, README).
+            proposed = gains * self.proposals.rates
+            limit = np.minimum(limit, self._finish_plan(proposed[:num], remaining, catch_up))
             gains[np.arange(self.max_k)[None, :] >= limit[:, None]] = 0.0
             caps = limit
             self.earned_request_cap = int(caps[num])  # nobody joins a closed batch
@@ -410,6 +417,11 @@ class GoodputPolicy:
         if best is not None:
             return best.threshold, best.price, 0.0, best_depth
         return np.inf, np.inf, (shortfall if shortfall < np.inf else 0.0), self.max_k
+
+    def observe_proposals(self, allowed: list[int], proposed: list[int]) -> None:
+        """A step's requests that were allowed drafts: how many each was allowed, and
+        how many its drafter proposed (`ProposalRates`)."""
+        self.proposals.record(allowed, proposed)
 
     def observe_finished(self, verifications: list[int], first_accepted: int) -> None:
         """A request left the batch: how its own acceptance strayed from its states'

@@ -488,6 +488,10 @@ class Scheduler:
         produced: list[int] = []  # ... and its output tokens then
         shadow_hits: list[int] = []  # parked requests' drafts checked (`max_shadows`)
         shadow_ids = runner_output.shadow_token_ids
+        # Each request allowed drafts, and the drafts its drafter proposed (goodput).
+        allowed_drafts = scheduler_output.num_draft_tokens
+        allowed_counts: list[int] = []
+        proposed_counts: list[int] = []
         for rid, sampled in in_schedule_order(scheduler_output, runner_output):
             request = requests.get(rid)
             if request is None:
@@ -514,6 +518,9 @@ class Scheduler:
                 advanced.append(request)
                 new_drafts = drafts.get(rid)
                 request.spec_token_ids = list(new_drafts) if new_drafts else []
+                if allowed_drafts.get(rid):
+                    allowed_counts.append(allowed_drafts[rid])
+                    proposed_counts.append(len(request.spec_token_ids))
                 request.shadow_token_id = shadow_ids.get(rid) if sampled else None
                 request.drafted_in = chosen_in
                 if sampled:  # nothing cut: the new tokens are the sampled ones
@@ -534,6 +541,7 @@ class Scheduler:
         if self.policy is not None:
             self._teach_policy(scheduler_output, runner_output, verified_counts,
                                accepted_counts, states, produced)
+            self.policy.observe_proposals(allowed_counts, proposed_counts)
             if shadow_hits:
                 self.stats.goodput.record_shadows(shadow_hits)
         if finished:  # (running requests left unscheduled this step stay as they are)
