@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from runner.eagle3 import Eagle3Head
-from runner.models.llama import LlamaForCausalLM, apply_rope
+from runner.models.llama import LlamaDecoderLayer, LlamaForCausalLM, apply_rope
 from spec_decode.methods import TrainLayout
 from training.layouts import MASK_TOKEN_ID, live_rows, step_targets, train_layout
 from training.vocab_loss import head_cross_entropy, matmul_dtype
@@ -60,15 +60,51 @@ def draft_vocab(labels: torch.Tensor, vocab_size: int, size: int
     return top - torch.arange(size), t2d
 
 
-def init_from_target(head: Eagle3Head, target: LlamaForCausalLM, d2t: torch.Tensor) -> None:
+def init_from_target(head: Eagle3Head, target: LlamaForCausalLM, d2t: torch.Tensor,
+                     layer: bool = True) -> None:
     """Set the draft vocabulary, and start the LM head and final norm as the target's
     own (its LM head's rows for the draft vocabulary): the head's output then starts
-    in the space the target's last hidden state lives in, which little data can reach."""
+    in the space the target's last hidden state lives in, which little data can reach.
+    With `layer`, its decoder layer too (`init_layer_from_target`)."""
     with torch.no_grad():
         head.d2t.copy_(d2t)
         ids = torch.arange(len(d2t), device=d2t.device) + d2t
         head.lm_head.weight.copy_(target.lm_head.weight[ids.to(target.lm_head.weight.device)])
         head.norm.weight.copy_(target.model.norm.weight)
+    if layer:
+        init_layer_from_target(head, target)
+
+
+def init_layer_from_target(head: Eagle3Head, target: LlamaForCausalLM) -> None:
+    """Start the head as the target's layer L, L the highest layer whose input it reads:
+    `fc` passes that input through, and the decoder layer's projections, norms and MLP
+    are layer L's (its attention reads the hidden half of [embedding; hidden] as layer
+    L reads its input; the embedding half keeps a tenth of its random start, to be
+    learnt). The head then starts as the target does from layer L on, two layers
+    short, where from a random start its one layer learnt that path from the data
+    alone. Measured (`specbudget train-drafter --method eagle` on the cached data,
+    README): held-out agreement 36.5 / 32.2 / 29.7 / 26.4 % against 33.7 / 28.7 / 27.7
+    / 25.8, served mean acceptance length 1.87 against 1.79, at the same cost."""
+    aux = list(head.aux_layer_ids)
+    top = max(aux)
+    source = target.model.layers[top]
+    assert isinstance(source, LlamaDecoderLayer)
+    width = head.config.hidden_size
+    mid = head.midlayer
+    with torch.no_grad():
+        block = aux.index(top)
+        head.fc.weight.zero_()
+        head.fc.weight[:, block * width:(block + 1) * width].copy_(
+            torch.eye(width, dtype=head.fc.weight.dtype))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            weight = getattr(mid.self_attn, name).weight
+            weight[:, :width].mul_(0.1)
+            weight[:, width:].copy_(getattr(source.self_attn, name).weight)
+        mid.self_attn.o_proj.weight.copy_(source.self_attn.o_proj.weight)
+        mid.hidden_norm.weight.copy_(source.input_layernorm.weight)
+        mid.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(mid.mlp, name).weight.copy_(getattr(source.mlp, name).weight)
 
 
 def expected_length(agreement: list[float]) -> float:

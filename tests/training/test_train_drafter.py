@@ -224,3 +224,45 @@ def test_weight_decay_shrinks_the_trained_weights(data: tuple[Batch, Batch, torc
                          if p.requires_grad))
 
     assert norm(5.0) < 0.95 * norm(0.0)
+
+
+def test_the_head_starts_as_the_target_layer_it_reads_last() -> None:
+    """`init_from_target` (layer on, the command's default `--init target`): `fc` passes
+    the input of the highest layer the head reads through, and the decoder layer is
+    that target layer (its attention reading the hidden half; the embedding half a
+    tenth of the random start). With `layer` off the layer keeps its random start."""
+    model = default_model()
+    config = Eagle3Config.for_target(model.config, DRAFT_VOCAB)
+    d2t = torch.zeros(DRAFT_VOCAB, dtype=torch.int64)
+    top = max(config.aux_layer_ids)
+    block = config.aux_layer_ids.index(top)
+    source = model.model.layers[top]
+    width = model.config.hidden_size
+    aux = torch.randn(5, len(config.aux_layer_ids) * width)
+
+    def started(layer: bool) -> Eagle3Head:
+        head = Eagle3Head(config, model, seed=0)
+        init_from_target(head, model, d2t, layer=layer)
+        return head.float()
+
+    head, random = started(True), started(False)
+    torch.testing.assert_close(head.fc(aux), aux[:, block * width:(block + 1) * width],
+                               rtol=0, atol=0)
+    assert not torch.allclose(random.fc(aux), aux[:, block * width:(block + 1) * width])
+    mid, rand_mid = head.midlayer, random.midlayer
+    x = torch.randn(5, width)
+    # From the weights: the target is shared by the module's tests (and may be packed).
+    gate, up, down = (getattr(source.mlp, n).weight.float()
+                      for n in ("gate_proj", "up_proj", "down_proj"))
+    want = torch.nn.functional.silu(x @ gate.T) * (x @ up.T) @ down.T
+    torch.testing.assert_close(mid.mlp(x), want)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        ours, theirs = getattr(mid.self_attn, name).weight, getattr(source.self_attn, name)
+        torch.testing.assert_close(ours[:, width:], theirs.weight.float(), rtol=0, atol=0)
+        torch.testing.assert_close(ours[:, :width],
+                                   0.1 * getattr(rand_mid.self_attn, name).weight[:, :width])
+    torch.testing.assert_close(mid.self_attn.o_proj.weight, source.self_attn.o_proj.weight.float(),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(mid.hidden_norm.weight, source.input_layernorm.weight.float(),
+                               rtol=0, atol=0)
+    assert not torch.allclose(rand_mid.mlp.down_proj.weight, mid.mlp.down_proj.weight)
