@@ -41,6 +41,7 @@ from training.data import code_windows
 from training.features import target_features
 from training.generate import Windows, generate_windows
 from training.layouts import greedy_run
+from training.options import head_init
 from training.prompts import first_turns, follow_up, instructions
 from training.served import served_figures
 from training.train import (
@@ -178,7 +179,8 @@ def run(args: argparse.Namespace) -> dict:
         return Batch(aux, windows, mapped, greedy_run(windows, labels), final, teacher)
 
     head = Eagle3Head(config, model, seed=args.seed)
-    init_from_target(head, model, d2t, layer=args.init == "target")
+    init = head_init(args.method, args.init)
+    init_from_target(head, model, d2t, layer=init == "target")
     out.mkdir(parents=True, exist_ok=True)
     train_config = TrainConfig(updates=args.updates, lr=args.lr,
                                depth=args.num_speculative_tokens,
@@ -189,7 +191,7 @@ def run(args: argparse.Namespace) -> dict:
     # loss and optimisation settings (another run's head maps its draft ids through
     # another vocabulary, and would serve garbage).
     run_key = digest([data_key(model, args, config.aux_layer_ids), args.method,
-                      args.draft_vocab_size, args.loss, args.init, repr(train_config)])
+                      args.draft_vocab_size, args.loss, init, repr(train_config)])
     train_head(head, batch("train"), train_config, checkpoint=out / "checkpoint.pt",
                progress=not args.no_progress, run_key=run_key)
     loss, accs = evaluate(head, batch("eval"), train_config.depth, args.method)
@@ -201,7 +203,7 @@ def run(args: argparse.Namespace) -> dict:
                "eval_windows": len(splits["eval"][0]), "window": WINDOW,
                "updates": args.updates, "lr": args.lr, "seed": args.seed, "loss": args.loss,
                "noise": args.noise, "weight_decay": train_config.weight_decay,
-               "init": args.init,
+               "init": init,
                "draft_vocab_size": args.draft_vocab_size,
                "data_answer_tokens": int((splits["train"][3] >= 0).sum()),
                "data_s": round(data_s, 1), "wall_s": round(time.monotonic() - started, 1)}

@@ -19,6 +19,7 @@ from tests.server_helpers import default_model
 from training.data import code_windows, is_eval_source, stdlib_files
 from training.features import target_features
 from training.layouts import greedy_run
+from training.options import head_init
 from training.train import (
     MISSING,
     Batch,
@@ -266,3 +267,13 @@ def test_the_head_starts_as_the_target_layer_it_reads_last() -> None:
     torch.testing.assert_close(mid.hidden_norm.weight, source.input_layernorm.weight.float(),
                                rtol=0, atol=0)
     assert not torch.allclose(rand_mid.mlp.down_proj.weight, mid.mlp.down_proj.weight)
+
+
+def test_the_start_is_the_methods_measured_default_unless_asked() -> None:
+    """`--init` unset: dflash starts random (from the target's layer its second draft
+    served 0.06 against 0.11, README), every other method from the target's layer; a
+    given `--init` is kept."""
+    assert head_init("dflash", None) == "random"
+    assert {head_init(m, None) for m in ("eagle", "mtp", "parallel")} == {"target"}
+    assert head_init("dflash", "target") == "target"
+    assert head_init("eagle", "random") == "random"
