@@ -122,25 +122,8 @@ class GoodputPolicy:
         limit = np.concatenate([rule_k, [self.max_k]])
         catch_up = np.zeros(num, dtype=np.int64) if behind is None else behind
         if planned and remaining is not None:
-            self._kept_threshold = None
-            # A plan drafts every request alike or not at all, so optimism there would
-            # try drafts on the whole batch at once: at the mean, at the method's K.
-            gains = self._long_run_gains(records, firsts, outputs)
-            # The plan's horizon is its slowest request's, and a request whose drafter
-            # proposes nothing on a step gains nothing on it: the rates are per draft
-            # proposed (so is the forecast check below: it keeps `gains`). Read as if
-            # every allowed draft were proposed, suffix's plans at 64 running drafted
-            # the batch's tail and saved no step (`ProposalRates`, README).
-            proposed = gains * self.proposals.rates
-            limit = np.minimum(limit, self._finish_plan(proposed[:num], remaining, catch_up))
-            gains[np.arange(self.max_k)[None, :] >= limit[:, None]] = 0.0
-            caps = limit
-            self.earned_request_cap = int(caps[num])  # nobody joins a closed batch
-            self._kept, self._kept_steps = None, 1
-            if self._may_keep(caps[:num], produced):
-                assert produced is not None
-                self._kept = KeptChoice.of_plan(caps[:num], gains[:num], verifications,
-                                                produced)
+            caps, gains = self._planned_caps(records, firsts, outputs, limit, remaining,
+                                             catch_up, verifications, produced)
         else:
             own, bonus = self.acceptance.rates_and_optimism(
                 records, firsts, np.concatenate([states, fresh + FRESH]),
@@ -172,6 +155,35 @@ class GoodputPolicy:
         self.new_request_cap = int(caps[num])
         self.check.expect(float(gains[:num][chosen[:num]].sum()), int(caps[:num].sum()))
         return caps[:num]
+
+    def _planned_caps(self, records: np.ndarray, firsts: np.ndarray,
+                      outputs: np.ndarray | None, limit: np.ndarray, remaining: np.ndarray,
+                      catch_up: np.ndarray, verifications: np.ndarray,
+                      produced: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """`caps` for a closed batch that plans (scheduler/finish_plan.py): [N + 1] the
+        caps, the last a fresh request's, and the gains they were chosen on, 0 past each
+        cap. `records`, `firsts`, `outputs` and `limit` carry the fresh request last."""
+        num = len(verifications)
+        self._kept_threshold = None
+        # A plan drafts every request alike or not at all, so optimism there would
+        # try drafts on the whole batch at once: at the mean, at the method's K.
+        gains = self._long_run_gains(records, firsts, outputs)
+        # The plan's horizon is its slowest request's, and a request whose drafter
+        # proposes nothing on a step gains nothing on it: the rates are per draft
+        # proposed (so is the forecast check in `caps`: it keeps `gains`). Read as if
+        # every allowed draft were proposed, suffix's plans at 64 running drafted
+        # the batch's tail and saved no step (`ProposalRates`, README).
+        proposed = gains * self.proposals.rates
+        limit = np.minimum(limit, self._finish_plan(proposed[:num], remaining, catch_up))
+        gains[np.arange(self.max_k)[None, :] >= limit[:, None]] = 0.0
+        caps = limit
+        self.earned_request_cap = int(caps[num])  # nobody joins a closed batch
+        self._kept, self._kept_steps = None, 1
+        if self._may_keep(caps[:num], produced):
+            assert produced is not None
+            self._kept = KeptChoice.of_plan(caps[:num], gains[:num], verifications,
+                                            produced)
+        return caps, gains
 
     def _kept_caps(self, verifications: np.ndarray, states: np.ndarray,
                    rule_k: np.ndarray, produced: np.ndarray | None,

@@ -140,6 +140,8 @@ class PrefixSearch:
         costs = self.costs
         n = int(np.count_nonzero(drafts.gain > 0))
         index, gain = drafts.index[:n], drafts.gain[:n]
+        # Hundreds running: the deepest depth alone has too many prefixes (checked
+        # before the [D, n] sums below are built for nothing).
         if n >= self.exhaustive and (num_sampling + np.cumsum(costs.target[index])
                                      <= self.budget).sum() >= self.exhaustive:
             return self._each_depth(drafts, num_sampling, catch_up, max_depth)
@@ -155,7 +157,7 @@ class PrefixSearch:
         tokens = num_sampling + np.cumsum(gain * kept, axis=1)
         deepest = deepest_by_depth(index, max_depth)
         passes = costs.passes_at_depth(deepest) if num_sampling else np.zeros_like(deepest)
-        no_draft = costs.passes_at_depth(np.zeros(1, dtype=np.int64))[0] if num_sampling else 0
+        no_draft = costs.passes(num_sampling, index[:0])[0]
         rows = np.concatenate([[num_sampling], target[kept]])
         seconds = self.time_model.predict_optimistic(
             rows, rows, np.concatenate([[base], drafter[kept]]),

@@ -433,6 +433,15 @@ class Scheduler:
             self.stats.goodput.record_time(self._predicted_seconds, result.step_seconds)
             self.stats.goodput.stall_steps = self.policy.time_model.num_stalls
 
+    def _count_proposals(self, allowed: dict[str, int], advanced: list[Request]) -> None:
+        """The goodput policy learns how many drafts each request allowed drafts this
+        step proposed (`ProposalRates`): those still running hold them as their
+        `spec_token_ids`."""
+        assert self.policy is not None
+        counted = [(allowed[r.request_id], len(r.spec_token_ids)) for r in advanced
+                   if allowed.get(r.request_id)]
+        self.policy.observe_proposals([k for k, _ in counted], [got for _, got in counted])
+
     def _predict_seconds(self, record: StepRecord, output: SchedulerOutput) -> None:
         """What the policy's time model expects of the step just planned (a metric)."""
         assert self.policy is not None
@@ -488,10 +497,6 @@ class Scheduler:
         produced: list[int] = []  # ... and its output tokens then
         shadow_hits: list[int] = []  # parked requests' drafts checked (`max_shadows`)
         shadow_ids = runner_output.shadow_token_ids
-        # Each request allowed drafts, and the drafts its drafter proposed (goodput).
-        allowed_drafts = scheduler_output.num_draft_tokens
-        allowed_counts: list[int] = []
-        proposed_counts: list[int] = []
         for rid, sampled in in_schedule_order(scheduler_output, runner_output):
             request = requests.get(rid)
             if request is None:
@@ -518,9 +523,6 @@ class Scheduler:
                 advanced.append(request)
                 new_drafts = drafts.get(rid)
                 request.spec_token_ids = list(new_drafts) if new_drafts else []
-                if allowed_drafts.get(rid):
-                    allowed_counts.append(allowed_drafts[rid])
-                    proposed_counts.append(len(request.spec_token_ids))
                 request.shadow_token_id = shadow_ids.get(rid) if sampled else None
                 request.drafted_in = chosen_in
                 if sampled:  # nothing cut: the new tokens are the sampled ones
@@ -541,7 +543,7 @@ class Scheduler:
         if self.policy is not None:
             self._teach_policy(scheduler_output, runner_output, verified_counts,
                                accepted_counts, states, produced)
-            self.policy.observe_proposals(allowed_counts, proposed_counts)
+            self._count_proposals(scheduler_output.num_draft_tokens, advanced)
             if shadow_hits:
                 self.stats.goodput.record_shadows(shadow_hits)
         if finished:  # (running requests left unscheduled this step stay as they are)
