@@ -2,8 +2,9 @@
 them (training/train.py: the unrolled steps in the method's serving layout, AdamW,
 bfloat16 autocast where the target serves in bfloat16), with only the live rows run
 (`layouts.live_rows`: a window's prompt text and the padding past its answer carry no
-label, so later steps skip their chains) against every row, on the same batches, in
-one run. Both modes give the same loss (checked here on each batch); the data is the
+label, so later steps skip their chains) against every row, and AdamW fused (as the
+command runs it) against unfused, on the same batches, in one run, the modes in turn.
+Both row modes give the same loss (checked here on each batch); the data is the
 command's own kind: the target's greedy chat answers with their features, first and
 second turns, and standard-library code.
 
@@ -27,7 +28,9 @@ if str(ROOT) not in sys.path:  # run as a script: make the repo's packages impor
 from benchmarks.common import bench_parser, out_path, write_report  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "update_rate.json"
-MODES = ("live", "all")
+# live: what train-drafter runs (live rows, fused AdamW); all: every row; unfused: live
+# rows with AdamW's unfused (foreach) step.
+MODES = ("live", "all", "unfused")
 DEPTH, DRAFT_VOCAB = 4, 8192  # train-drafter's defaults: K and the draft vocabulary
 
 
@@ -73,11 +76,13 @@ def main(argv: list[str] | None = None) -> dict:
         "median_s_per_update": medians,
         "same_loss": same_loss,
         "live_over_all": {m: round(v["live"] / v["all"], 3) for m, v in medians.items()},
+        "fused_over_unfused": {m: round(v["live"] / v["unfused"], 3)
+                               for m, v in medians.items()},
     }
     write_report(args.out, report)
     for method, v in medians.items():
         print(f"{method:>8}: {v['live']:.3f} s/update live rows, {v['all']:.3f} every row "
-              f"({v['live'] / v['all']:.2f}x)")
+              f"({v['live'] / v['all']:.2f}x), {v['unfused']:.3f} with AdamW unfused")
     print(f"wrote {args.out}")
     return report
 
@@ -121,7 +126,7 @@ def _measure(model: Any, d2t: Any, data: Any, batches: list[Any], method: str, r
 
     from runner.eagle3 import Eagle3Config, Eagle3Head
     from training.layouts import train_layout
-    from training.train import init_from_target, select, unrolled_loss
+    from training.train import TrainConfig, adamw, init_from_target, select, unrolled_loss
 
     head = Eagle3Head(Eagle3Config.for_target(model.config, DRAFT_VOCAB), model, seed=0)
     init_from_target(head, model, d2t)
@@ -133,23 +138,23 @@ def _measure(model: Any, d2t: Any, data: Any, batches: list[Any], method: str, r
                    for i in batches)
     params = [p for p in head.parameters() if p.requires_grad]
 
-    def seconds_per_update(live_only: bool) -> float:
-        opt = torch.optim.AdamW(params, lr=1e-3)
+    def seconds_per_update(mode: str) -> float:
+        opt = adamw(params, TrainConfig(), fused=mode != "unfused")
         begin = time.perf_counter()
         for index in batches:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss, _ = unrolled_loss(head, select(data, index), DEPTH, layout, noise=0.05,
-                                        live_only=live_only)
+                                        live_only=mode != "all")
             opt.zero_grad()
             loss.backward()
             opt.step()
         return (time.perf_counter() - begin) / len(batches)
 
-    seconds_per_update(True)  # warm-up
+    seconds_per_update("live")  # warm-up
     runs: dict[str, list[float]] = {mode: [] for mode in MODES}
     for _ in range(rounds):
         for mode in MODES:
-            runs[mode].append(round(seconds_per_update(mode == "live"), 4))
+            runs[mode].append(round(seconds_per_update(mode), 4))
     return same, runs
 
 

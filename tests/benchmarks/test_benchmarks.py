@@ -506,13 +506,14 @@ def test_data_rate_quick(tmp_path: Path) -> None:
 @pytest.mark.model
 def test_update_rate_quick(tmp_path: Path) -> None:
     """Live rows and every row give the same loss on the same batches, and the figures
-    are the rounds' medians."""
+    are the rounds' medians of each mode (AdamW unfused among them)."""
     from benchmarks import update_rate
 
     report = update_rate.main(["--quick", "--out", str(tmp_path / "u.json")])
     assert report["same_loss"] == {"eagle": True}
     runs = report["runs"]["eagle"]
-    for mode in ("live", "all"):
+    assert set(runs) == {"live", "all", "unfused"}
+    for mode in ("live", "all", "unfused"):
         assert report["median_s_per_update"]["eagle"][mode] == statistics.median(runs[mode])
     assert 0.0 < report["labelled_share"] < 1.0  # prompt text and padding carry no label
 

@@ -24,6 +24,7 @@ from training.train import (
     MISSING,
     Batch,
     TrainConfig,
+    adamw,
     draft_vocab,
     evaluate,
     init_from_target,
@@ -225,6 +226,26 @@ def test_weight_decay_shrinks_the_trained_weights(data: tuple[Batch, Batch, torc
                          if p.requires_grad))
 
     assert norm(5.0) < 0.95 * norm(0.0)
+
+
+def test_the_fused_optimiser_steps_as_the_unfused_one() -> None:
+    """`adamw` as `train_head` runs it (fused) moves the weights as AdamW's unfused step
+    does, weight decay included, and does move them."""
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(64, 32, generator=generator), torch.randn(32, generator=generator)]
+    config = TrainConfig(lr=1e-2, weight_decay=0.1)
+    ends = []
+    for fused in (True, False):
+        params = [torch.nn.Parameter(w.clone()) for w in start]
+        opt = adamw(params, config, fused=fused)
+        for step in range(3):
+            for p in params:
+                p.grad = torch.sin(p.detach() * (step + 1))
+            opt.step()
+        ends.append([p.detach() for p in params])
+    for fused_end, unfused_end, begin in zip(*ends, start, strict=True):
+        assert torch.allclose(fused_end, unfused_end, atol=1e-6)
+        assert not torch.allclose(fused_end, begin, atol=1e-3)
 
 
 def test_the_head_starts_as_the_target_layer_it_reads_last() -> None:
