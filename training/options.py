@@ -108,5 +108,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def head_init(method: str, init: str | None) -> str:
-    """`--init` as given, or the method's measured default (`add_arguments`)."""
-    return init or ("random" if method == "dflash" else "target")
+    """`--init` as given, or the method's measured default (its class's `train_init`)."""
+    return init or get_method(method).train_init

@@ -84,6 +84,9 @@ class SpecMethod:
     drafter: ClassVar[str] = "lookup"
     # How `specbudget train-drafter` unrolls this method's head; None: not trainable.
     train_layout: ClassVar[TrainLayout | None] = None
+    # How `train-drafter --init` starts its head when not given: "target" (the decoder
+    # layer as the target's layer whose input it reads last) or "random".
+    train_init: ClassVar[str] = "target"
     # A method whose trained head this one serves with when none was trained for it
     # (the same serving layout), looked for after its own.
     shares_head_with: ClassVar[str | None] = None
