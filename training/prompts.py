@@ -171,3 +171,12 @@ def follow_up(prompt: str, answer: str, index: int) -> list[dict[str, str]]:
     """A second turn: the target's own answer in the context, then a follow-up."""
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer},
             {"role": "user", "content": FOLLOW_UPS[index % len(FOLLOW_UPS)]}]
+
+
+def held_out_turns(seed: int) -> list[str]:
+    """The first turns of the held-out split that no training first turn repeats (a
+    code task names no topic, so `first_turns` lists it in both), in `first_turns`'
+    order: what the held-out agreement is measured on."""
+    train = set(first_turns("train", seed))
+    return [p for p in first_turns("eval", seed) if p not in train]
+

@@ -13,7 +13,7 @@ from scheduler import SamplingParams
 from tests.server_helpers import default_model
 from training.features import target_features
 from training.generate import IGNORE, answer_window, generate_windows
-from training.prompts import first_turns, follow_up, instructions
+from training.prompts import first_turns, follow_up, held_out_turns, instructions
 from training.train import soft_loss, with_noise
 
 PROMPTS = ["Write a haiku about rivers.", "List three facts about tea."]
@@ -110,6 +110,13 @@ def test_training_instructions_are_many_distinct_and_never_held_out() -> None:
     train = first_turns("train", 0)
     assert len(set(train)) == len(train) >= 3000  # against 540 before
     assert not set(train) & set(instructions("eval"))
+    # The held-out turns (evaluation's windows) share no instruction with training,
+    # code tasks included (they name no topic, so both splits list them), and hold
+    # the benchmarks' held-out set.
+    held_out = held_out_turns(0)
+    assert len(held_out) >= 400 and not set(train) & set(held_out)
+    assert set(first_turns("eval", 0)) & set(train)  # what held_out_turns leaves out
+    assert set(instructions("eval")) <= set(held_out)
     assert train == first_turns("train", 0) and train != first_turns("train", 1)
     assert len(first_turns("train", 1)) == len(train)  # the seed orders and numbers
     kinds = ("dialogue", "Rust", "step by step", "Summarise this text")
