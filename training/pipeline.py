@@ -124,10 +124,10 @@ def self_distilled_data(llm: LLM, model: LlamaForCausalLM, args: argparse.Namesp
         return dict(torch.load(file, weights_only=True))
     windows_total = max(2, args.tokens // WINDOW)
     splits = {}
-    for split, count, chat_prompts in (
-            ("train", windows_total, first_turns("train", args.seed)[:args.max_prompts]),
-            ("eval", max(2, round(windows_total * EVAL_SHARE)), held_out_turns(args.seed))):
-        share = CHAT_SHARE if split == "train" else 1.0
+    for split, count, share, chat_prompts in (
+            ("train", windows_total, CHAT_SHARE,
+             first_turns("train", args.seed)[:args.max_prompts]),
+            ("eval", max(2, round(windows_total * EVAL_SHARE)), 1.0, held_out_turns(args.seed))):
         num_chat = min(max(1, round(count * share)), len(chat_prompts))
         if split == "eval":
             chat = generate_windows(llm, [[{"role": "user", "content": p}]

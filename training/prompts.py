@@ -179,4 +179,3 @@ def held_out_turns(seed: int) -> list[str]:
     order: what the held-out agreement is measured on."""
     train = set(first_turns("train", seed))
     return [p for p in first_turns("eval", seed) if p not in train]
-
