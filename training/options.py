@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the engine serves in)")
     parser.add_argument("--generate-batch", type=at_least(1), default=64,
                         help="requests the target answers at once while generating data")
-    parser.add_argument("--served-prompts", type=at_least(0), default=12,
+    parser.add_argument("--served-prompts", type=at_least(0), default=24,
                         help="held-out instructions served with the new head after "
                              "training, against speculation off (0: skip)")
     parser.add_argument("--seed", type=int, default=0)

@@ -13,7 +13,14 @@ from scheduler import SamplingParams
 from tests.server_helpers import default_model
 from training.features import target_features
 from training.generate import IGNORE, answer_window, generate_windows
-from training.prompts import first_turns, follow_up, held_out_turns, instructions
+from training.prompts import (
+    TEMPLATES,
+    TOPICS,
+    first_turns,
+    follow_up,
+    held_out_turns,
+    instructions,
+)
 from training.train import soft_loss, with_noise
 
 PROMPTS = ["Write a haiku about rivers.", "List three facts about tea."]
@@ -117,6 +124,14 @@ def test_training_instructions_are_many_distinct_and_never_held_out() -> None:
     assert len(held_out) >= 400 and not set(train) & set(held_out)
     assert set(first_turns("eval", 0)) & set(train)  # what held_out_turns leaves out
     assert set(instructions("eval")) <= set(held_out)
+    # Served figures and benchmarks take a prefix of the held-out instructions: the
+    # first 12 are every template once, over every held-out topic evenly.
+    first = instructions("eval")[:12]
+    topics = [t for t in TOPICS if any(t in p for p in instructions("eval"))]
+    assert len(topics) == 3 and len(set(instructions("eval"))) == 36
+    assert [sum(t in p for p in first) for t in topics] == [4, 4, 4]
+    assert [t.format(t="X") for t in TEMPLATES] == [
+        p.replace(t, "X") for p in first for t in topics if t in p]
     assert train == first_turns("train", 0) and train != first_turns("train", 1)
     assert len(first_turns("train", 1)) == len(train)  # the seed orders and numbers
     kinds = ("dialogue", "Rust", "step by step", "Summarise this text")
