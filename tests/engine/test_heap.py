@@ -17,10 +17,13 @@ def test_nested_blocks_freeze_once_and_the_last_out_thaws() -> None:
     with frozen_heap():
         frozen = gc.get_freeze_count()
         assert frozen > 10_000  # torch alone leaves more
+        # The count can fall while frozen (a frozen object another thread frees leaves
+        # it: CI once read 2 fewer), never rise unless something freezes again: a
+        # second freeze would take these 1,000 lists (the collector tracks lists).
+        made_since = [[] for _ in range(1000)]  # noqa: F841
         with frozen_heap():
-            made_inside = [object() for _ in range(10)]  # noqa: F841
-            assert gc.get_freeze_count() == frozen  # the inner block froze nothing more
-        assert gc.get_freeze_count() == frozen  # ... nor thawed what the outer froze
+            assert gc.get_freeze_count() <= frozen  # the inner block froze nothing more
+        assert frozen // 2 < gc.get_freeze_count() <= frozen  # ... nor thawed the outer's
     assert gc.get_freeze_count() == 0
     with pytest.raises(RuntimeError), frozen_heap():
         raise RuntimeError("a step failed")
