@@ -51,10 +51,18 @@ def draft_vocab(labels: torch.Tensor, vocab_size: int, size: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The `size` most frequent labels: (d2t offsets [size], t2d [vocab] draft id or -1).
 
-    Draft ids follow ascending target ids, as published EAGLE-3 checkpoints store them.
+    Past the distinct labels (11,009 in the default data), the lowest target ids that
+    no label names: byte-level BPE numbers its merges in the order it learnt them, most
+    frequent first, where topk's order among equal (zero) counts is arbitrary. Draft
+    ids follow ascending target ids, as published EAGLE-3 checkpoints store them.
     """
     counts = torch.bincount(labels.reshape(-1), minlength=vocab_size)
-    top = torch.sort(torch.topk(counts, size).indices).values
+    labelled = min(size, int((counts > 0).sum()))
+    top = torch.topk(counts, labelled).indices
+    if size > labelled:
+        unlabelled = torch.nonzero(counts == 0).squeeze(1)  # ascending ids
+        top = torch.cat([top, unlabelled[:size - labelled]])
+    top = torch.sort(top).values
     t2d = torch.full((vocab_size,), MISSING, dtype=torch.int64)
     t2d[top] = torch.arange(size)
     return top - torch.arange(size), t2d

@@ -21,6 +21,7 @@ from training.features import target_features
 from training.layouts import greedy_run
 from training.options import head_init
 from training.train import (
+    IGNORE,
     MISSING,
     Batch,
     TrainConfig,
@@ -101,6 +102,18 @@ def test_tiny_training_learns_on_held_out_code(method: str, loss: str, bf16: boo
     assert after_acc[0] > 0.05 and after_acc[0] > 2 * before_acc[0], (before_acc, after_acc)
     assert after_acc[1] > before_acc[1]  # the second draft learned too
     assert not [w for w in recwarn if "Mismatch dtype" in str(w.message)]
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_labels_then_the_lowest_ids() -> None:
+    labels = torch.tensor([[7, 7, 7, 40, 40, 90], [90, 90, 90, 90, 3, IGNORE]])
+    d2t, t2d = draft_vocab(labels[labels >= 0], 100, 3)
+    assert (torch.arange(3) + d2t).tolist() == [7, 40, 90]  # by count, in id order
+    assert t2d[90] == 2 and t2d[3] == MISSING
+    # More rows than distinct labels: the rest are the lowest unlabelled ids (topk's
+    # own order among zero counts is arbitrary, e.g. 66, 67, 68 of 100).
+    d2t, t2d = draft_vocab(labels[labels >= 0], 100, 8)
+    assert (torch.arange(8) + d2t).tolist() == [0, 1, 2, 3, 4, 7, 40, 90]
+    assert (t2d >= 0).sum() == 8
 
 
 def test_a_token_outside_the_draft_vocabulary_is_a_miss_not_skipped(
