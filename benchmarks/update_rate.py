@@ -55,8 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     dtype = RunnerConfig().torch_dtype
     model, data, d2t = _training_data(dtype, args.prompts)
-    order = torch.randperm(len(data.tokens), generator=torch.Generator().manual_seed(0))
-    batches = [order[i * 8:(i + 1) * 8] % len(data.tokens) for i in range(args.updates)]
+    batches = batch_indices(len(data.tokens), args.updates)
     runs: dict[str, dict[str, list[float]]] = {}
     same_loss: dict[str, bool] = {}
     for method in args.methods.split(","):
@@ -85,6 +84,17 @@ def main(argv: list[str] | None = None) -> dict:
               f"({v['live'] / v['all']:.2f}x), {v['unfused']:.3f} with AdamW unfused")
     print(f"wrote {args.out}")
     return report
+
+
+def batch_indices(num: int, updates: int, size: int = 8) -> list[Any]:
+    """`updates` batches of `size` window indices in a fixed shuffled order that wraps
+    round, as train_head's epochs do: with fewer windows than `updates * size` the
+    later batches are still full (slicing the order alone left them short or empty,
+    and an empty batch crashed the loss)."""
+    import torch
+
+    order = torch.randperm(num, generator=torch.Generator().manual_seed(0))
+    return [order[torch.arange(i * size, (i + 1) * size) % num] for i in range(updates)]
 
 
 def _training_data(dtype: Any, prompts: int) -> tuple[Any, Any, Any]:

@@ -503,6 +503,18 @@ def test_data_rate_quick(tmp_path: Path) -> None:
     assert report["ratio_to_cpu"]["cpu"] == 1.0
 
 
+def test_update_rate_batches_are_full_when_windows_are_few() -> None:
+    """Fewer windows than updates x 8 (a small --prompts): every batch still holds 8
+    windows, each a real one, and every window is used before any repeats."""
+    from benchmarks.update_rate import batch_indices
+
+    batches = batch_indices(13, 4)
+    assert [len(b) for b in batches] == [8, 8, 8, 8]
+    flat = [int(i) for b in batches for i in b]
+    assert all(0 <= i < 13 for i in flat)
+    assert sorted(flat[:13]) == list(range(13))
+
+
 @pytest.mark.model
 def test_update_rate_quick(tmp_path: Path) -> None:
     """Live rows and every row give the same loss on the same batches, and the figures
