@@ -11,7 +11,7 @@ from runner.eagle3 import default_aux_layers
 from runner.feature_capture import CapturedFeatures, FeatureCapture
 from scheduler import SamplingParams
 from tests.server_helpers import default_model
-from training.features import target_features
+from training.features import greedy_labels, target_features
 from training.generate import IGNORE, answer_window, generate_windows
 from training.prompts import (
     TEMPLATES,
@@ -55,6 +55,17 @@ def test_features_kept_while_generating_equal_a_teacher_forced_pass() -> None:
         prompt_end = len(full) - 21
         assert labels[0, prompt_end:-1].tolist() == full[prompt_end + 1:]
         assert not torch.allclose(got.aux[1:], aux[0, :-2], atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.model
+def test_greedy_labels_in_row_chunks_equal_one_argmax_over_every_row() -> None:
+    """The labels made a few rows at a time (the last chunk short) are the argmax of
+    the logits of every row at once; a chunk's rows read in the wrong order are not."""
+    model = default_model()
+    hidden = torch.randn(37, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    whole = model.compute_logits(hidden).argmax(dim=-1)
+    assert torch.equal(greedy_labels(model, hidden, rows=8), whole)
+    assert not torch.equal(greedy_labels(model, hidden.flip(0), rows=8), whole)
 
 
 @pytest.mark.model
