@@ -9,12 +9,17 @@ from runner.models.linear import (
     KernelChoice,
     LinearKernel,
     OneDNNLinear,
+    RowCapped,
     TorchLinear,
     is_row_invariant,
 )
 from runner.models.linear_int8 import Int8DynamicLinear, fbgemm_available
 
 QUANTIZATIONS = ("int8",)
+# Row caps tried for oneDNN where its whole calls are not row-invariant, widest first:
+# an Intel CPU with AMX changes path past 32 rows in bfloat16 (runner/models/linear.py
+# `RowCapped`); a narrower cap is a guess at other machines, each costing only a probe.
+ONEDNN_ROW_CAPS = (32, 16, 8)
 
 
 def _candidates(dtype: torch.dtype, device: torch.device,
@@ -27,6 +32,7 @@ def _candidates(dtype: torch.dtype, device: torch.device,
     kernels: list[LinearKernel] = []
     if device.type == "cpu" and torch.backends.mkldnn.is_available():
         kernels.append(OneDNNLinear())
+        kernels.extend(RowCapped(OneDNNLinear(), cap) for cap in ONEDNN_ROW_CAPS)
     kernels.append(TorchLinear())
     return kernels
 
@@ -50,3 +56,22 @@ def select_linear_kernel(dtype: torch.dtype, device: torch.device | str,
                for width in widths):
             return KernelChoice(kernel, True)
     return KernelChoice(candidates[-1], False)
+
+
+def fastest_linear_kernel(dtype: torch.dtype, device: torch.device | str,
+                          in_features: int | tuple[int, ...]) -> KernelChoice:
+    """The fastest candidate that runs here, row-invariant or not (its choice says
+    which), for work that reads no row against the same row in a call of another
+    width: the drafter's training data, made at a fixed batch (runner/models/linear.py
+    `RowCapped`: on an AMX CPU the invariant kernel costs wide calls ~2x)."""
+    device = torch.device(device)
+    widths = (in_features,) if isinstance(in_features, int) else in_features
+    for kernel in _candidates(dtype, device):
+        try:
+            kernel.pack(torch.zeros(8, widths[0], dtype=dtype, device=device), None)
+        except (RuntimeError, NotImplementedError):
+            continue  # the kernel does not run here at all
+        return KernelChoice(kernel, all(is_row_invariant(kernel, dtype, width,
+                                                         device=str(device))
+                                        for width in widths))
+    raise RuntimeError(f"no linear kernel runs {dtype} on {device}")

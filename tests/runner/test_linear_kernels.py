@@ -15,6 +15,7 @@ from runner.models.linear import (
     LinearKernel,
     OneDNNLinear,
     PackedLinear,
+    RowCapped,
     TorchLinear,
     is_row_invariant,
 )
@@ -56,14 +57,14 @@ def test_onednn_packed_rows_do_not_depend_on_the_call() -> None:
 
 
 class _Perturbed(LinearKernel):
-    """Broken on purpose: `F.linear` whose output `perturb(out)` moves by one ulp in
-    some rows, depending on the call."""
+    """Broken on purpose: float32 oneDNN (row-invariant here) whose output
+    `perturb(out)` moves by one ulp in some rows, depending on the call."""
 
     def __init__(self, name: str, perturb: Callable[[torch.Tensor], None]) -> None:
         self.name, self.perturb = name, perturb
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
-        inner, perturb = TorchLinear().pack(weight, bias), self.perturb
+        inner, perturb = OneDNNLinear().pack(weight, bias), self.perturb
 
         class Leaky(PackedLinear):
             out_features = inner.out_features
@@ -118,12 +119,48 @@ def test_the_probe_catches_a_row_whose_bits_depend_on_its_index() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_onednn_is_row_invariant_at_every_width_the_model_reduces_over(
+def test_the_kernel_chosen_here_is_onednn_and_row_invariant_at_every_width(
         dtype: torch.dtype) -> None:
     """576 (hidden), 1536 (the MLP's down projection) and 1728 (an EAGLE-3 head's fc):
-    the wide ones run as slices of at most MAX_REDUCTION inputs."""
+    the wide ones run as slices of at most MAX_REDUCTION inputs. oneDNN whole on an
+    AVX-512 Zen 5; in bfloat16 on an Intel CPU with AMX, calls capped at 32 rows
+    (`RowCapped`): either way not the `F.linear` fallback."""
+    choice = select_linear_kernel(dtype, "cpu", (576, 1536))
+    assert choice.row_invariant and choice.kernel.name.startswith("onednn"), choice.description
     for width in (576, 1536, 1728):
-        assert is_row_invariant(OneDNNLinear(), dtype, in_features=width), width
+        assert is_row_invariant(choice.kernel, dtype, in_features=width), width
+
+
+def _past_four(out: torch.Tensor) -> None:
+    """A call of more than 4 rows moves every row (a kernel that changes path past 4
+    rows, as oneDNN does past 32 in bfloat16 on an AMX CPU)."""
+    if out.shape[0] > 4:
+        out.copy_(torch.nextafter(out, out + 1))
+
+
+@pytest.mark.parametrize("cap", [4, 3, 1])
+def test_a_row_cap_at_or_below_a_kernels_path_change_makes_it_row_invariant(
+        monkeypatch: pytest.MonkeyPatch, cap: int) -> None:
+    leaky = _Perturbed("wide-path", _past_four)
+    assert not is_row_invariant(leaky, torch.float32, in_features=64)
+    capped = RowCapped(leaky, cap)
+    assert is_row_invariant(capped, torch.float32, in_features=64)
+    # Wide calls are the same maths, in slices: rows and the residual stay paired.
+    weight, bias, x, residual = _data(rows=11)
+    packed = capped.pack(weight, bias)
+    torch.testing.assert_close(packed(x), F.linear(x, weight, bias))
+    torch.testing.assert_close(packed.add(x, residual), residual + F.linear(x, weight, bias))
+    assert packed.out_features == 96
+    # select_linear_kernel takes the capped kernel before the fallback.
+    monkeypatch.setattr(kernel_select, "_candidates",
+                        lambda *_: [leaky, RowCapped(leaky, cap), TorchLinear()])
+    choice = select_linear_kernel(torch.float32, "cpu", 64)
+    assert choice.row_invariant and choice.kernel.name == f"wide-path, at most {cap} rows a call"
+
+
+def test_a_row_cap_past_the_path_change_is_refused() -> None:
+    assert not is_row_invariant(RowCapped(_Perturbed("wide-path", _past_four), 5),
+                                torch.float32, in_features=64)
 
 
 def test_a_kernel_that_cannot_run_here_is_not_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -226,3 +263,22 @@ def test_select_int8() -> None:
         select_linear_kernel(torch.float32, "cpu", 576, quantization="int4")
     with pytest.raises(ValueError, match="needs a CPU"):
         select_linear_kernel(torch.float32, "cuda", 576, quantization="int8")
+
+
+def test_the_fastest_kernel_is_the_first_that_runs_invariant_or_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """For the drafter's training data: the first candidate that runs, and its choice
+    says honestly whether its rows are invariant."""
+    class Refuses(LinearKernel):
+        name = "refuses"
+
+        def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
+            raise RuntimeError("needs avx512")
+
+    leaky = _Perturbed("wide-path", _past_four)
+    monkeypatch.setattr(kernel_select, "_candidates",
+                        lambda *_: [Refuses(), leaky, RowCapped(leaky, 4), TorchLinear()])
+    choice = kernel_select.fastest_linear_kernel(torch.float32, "cpu", (64, 128))
+    assert choice.kernel is leaky and not choice.row_invariant
+    monkeypatch.setattr(kernel_select, "_candidates", lambda *_: [RowCapped(leaky, 4)])
+    assert kernel_select.fastest_linear_kernel(torch.float32, "cpu", 64).row_invariant
