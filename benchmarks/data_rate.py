@@ -4,8 +4,12 @@ greedy `LLM.chat` with the runner's feature capture on), per attention backend, 
 run. Each round runs every backend on the same instructions, in turn, so a slow minute
 of this shared machine falls on all of them.
 
+`--kernels`: the target's linear kernel, `fastest` (what the command generates with:
+runner/models/kernel_select.py `fastest_linear_kernel`) and/or `serving` (the engine's
+row-invariant choice); each configuration is a backend and a kernel.
+
     python benchmarks/data_rate.py [--prompts 128] [--batch 64] [--rounds 2]
-        [--backends cpu,torch] [--quick] [--out PATH]
+        [--backends cpu,torch] [--kernels fastest,serving] [--quick] [--out PATH]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=64, help="requests answered at once")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--backends", default="cpu,torch")
+    parser.add_argument("--kernels", default="fastest")
     args = parser.parse_args(argv)
     args.out = out_path(args, DEFAULT_OUT)
     if args.quick:
@@ -43,6 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     from runner.eagle3 import Eagle3Config
     from runner.model_loader import load_model
     from runner.model_prep import resolve_model
+    from runner.models.kernel_select import fastest_linear_kernel, select_linear_kernel
     from training.generate import generate_windows
     from training.prompts import first_turns
 
@@ -51,16 +57,25 @@ def main(argv: list[str] | None = None) -> dict:
     aux_ids = Eagle3Config.for_target(model.config, 8192).aux_layer_ids
     conversations = [[{"role": "user", "content": p}]
                      for p in first_turns("train", 0)[:args.prompts]]
-    engines = {}
-    for name in args.backends.split(","):
-        llm = LLM(loaded_model=model, max_model_len=512, max_num_seqs=args.batch,
-                  max_num_batched_tokens=2048, enable_prefix_caching=False,
-                  attention_backend=name)
-        generate_windows(llm, conversations[:2], WINDOW, aux_ids)  # warm-up
-        engines[name] = llm
+    widths = (model.config.hidden_size, model.config.intermediate_size)
+    dtype = model.lm_head.weight.dtype
+    choices = {"fastest": fastest_linear_kernel(dtype, "cpu", widths),
+               "serving": select_linear_kernel(dtype, "cpu", widths)}
+    kernels = {name: choices[name] for name in args.kernels.split(",")}
+    engines, packs = {}, {}
+    for kernel_name, choice in kernels.items():
+        for backend in args.backends.split(","):
+            name = backend if kernel_name == "fastest" else f"{backend}/{kernel_name}"
+            llm = LLM(loaded_model=model, max_model_len=512, max_num_seqs=args.batch,
+                      max_num_batched_tokens=2048, enable_prefix_caching=False,
+                      attention_backend=backend)
+            model.pack(choice)  # the engines share the model: packed again per run
+            generate_windows(llm, conversations[:2], WINDOW, aux_ids)  # warm-up
+            engines[name], packs[name] = llm, choice
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, llm in engines.items():
+            model.pack(packs[name])
             begin = time.perf_counter()
             windows, answers = generate_windows(llm, conversations, WINDOW, aux_ids)
             seconds = time.perf_counter() - begin
@@ -77,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prompts": args.prompts, "batch": args.batch, "rounds": args.rounds,
         "timed": "generate_windows (greedy chat, features captured) per round, seconds",
         "torch": torch.__version__,
+        "kernels": {name: choice.description for name, choice in packs.items()},
         "runs": runs,
         "median_tokens_per_s": rates,
         f"ratio_to_{first}": {name: round(rate / rates[first], 3) for name, rate in rates.items()},

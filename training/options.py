@@ -99,7 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the engine serves in)")
     # 128 by measurement (README; benchmarks/data_rate.py, 512 instructions): 9 % more
     # answer tokens a second than 64 (the matmuls run nearer their peak), 256 no faster
-    # than 64. The engine is batch-invariant, so the data is the same bits at any size.
+    # than 64. Where the fastest kernel is row-invariant (the Zen 5), the data is the
+    # same bits at any size (on an AMX CPU, at the same size: training/pipeline.py).
     parser.add_argument("--generate-batch", type=at_least(1), default=128,
                         help="requests the target answers at once while generating data")
     parser.add_argument("--served-prompts", type=at_least(0), default=24,

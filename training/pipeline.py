@@ -36,6 +36,7 @@ from runner.config import RunnerConfig
 from runner.eagle3 import Eagle3Config, Eagle3Head, save_eagle3, trained_head_dir
 from runner.model_loader import load_model, read_config
 from runner.model_prep import resolve_model
+from runner.models.kernel_select import fastest_linear_kernel
 from runner.models.llama import LlamaForCausalLM
 from training.data import code_windows
 from training.features import target_features
@@ -147,6 +148,25 @@ def self_distilled_data(llm: LLM, model: LlamaForCausalLM, args: argparse.Namesp
     return splits
 
 
+def data_with_fastest_kernel(llm: LLM, model: LlamaForCausalLM, args: argparse.Namespace,
+                             aux_ids: tuple[int, ...], cache: Path) -> dict[str, tuple]:
+    """`self_distilled_data` with the target's linear layers on the fastest kernel here,
+    then back on the engine's row-invariant one (the served figure checks lossless
+    against it). The data is made at a fixed batch, so it needs no row to keep its bits
+    in calls of other widths: on an Intel CPU with AMX the invariant kernel (oneDNN in
+    calls of at most 32 rows) made 516 answer tokens/s where the whole calls make 732
+    (`benchmarks/data_rate.py`, 512 instructions at 128; the same kernel elsewhere)."""
+    serving = model.kernel_choice
+    cfg = model.config
+    model.pack(fastest_linear_kernel(model.lm_head.weight.dtype, model.lm_head.weight.device,
+                                     (cfg.hidden_size, cfg.intermediate_size)))
+    try:
+        return self_distilled_data(llm, model, args, aux_ids, cache)
+    finally:
+        if serving is not None:
+            model.pack(serving)
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     """What argparse cannot check alone, before minutes of data generation: ValueError
     naming the option. (Ranges of single options are argparse types: training/options.py.)"""
@@ -169,7 +189,8 @@ def run(args: argparse.Namespace) -> dict:
               enable_prefix_caching=False)  # every position run: the capture keeps it
     config = Eagle3Config.for_target(model.config, args.draft_vocab_size)
     out = Path(args.out) if args.out else trained_head_dir(path, args.method)
-    splits = self_distilled_data(llm, model, args, config.aux_layer_ids, out.parent / "data")
+    splits = data_with_fastest_kernel(llm, model, args, config.aux_layer_ids,
+                                      out.parent / "data")
     data_s = time.monotonic() - started
     train_labels = splits["train"][3]  # (tokens, aux, final, labels)
     d2t, t2d = draft_vocab(train_labels[train_labels >= 0], model.config.vocab_size,

@@ -311,3 +311,41 @@ def test_the_start_is_the_methods_measured_default_unless_asked() -> None:
     assert {head_init(m, None) for m in ("eagle", "mtp", "parallel")} == {"target"}
     assert head_init("dflash", "target") == "target"
     assert head_init("eagle", "random") == "random"
+
+
+def test_the_data_phase_runs_on_the_fastest_kernel_and_hands_back_the_serving_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data needs no row to keep its bits across calls of other widths, so it runs
+    on the fastest kernel; the served figure after it checks lossless serving, so the
+    engine's row-invariant kernel comes back, also when the data phase fails."""
+    import argparse
+
+    from runner.models.kernel_select import select_linear_kernel
+    from runner.models.linear import KernelChoice, TorchLinear
+    from runner.models.llama import LlamaConfig, LlamaForCausalLM
+    from training import pipeline
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         max_position_embeddings=64, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval()
+    serving = select_linear_kernel(torch.float32, "cpu", (64, 128))
+    model.pack(serving)
+    fastest = KernelChoice(TorchLinear(), False)  # stands in for whatever is fastest here
+    monkeypatch.setattr(pipeline, "fastest_linear_kernel", lambda *_: fastest)
+    seen = []
+
+    def data(*_args: object) -> dict[str, tuple]:
+        seen.append(model.kernel_choice)
+        if len(seen) == 2:
+            raise RuntimeError("the data phase failed")
+        return {}
+
+    monkeypatch.setattr(pipeline, "self_distilled_data", data)
+    args = argparse.Namespace()
+    assert pipeline.data_with_fastest_kernel(None, model, args, (0, 1), Path(".")) == {}
+    assert seen == [fastest] and model.kernel_choice is serving
+    with pytest.raises(RuntimeError, match="failed"):
+        pipeline.data_with_fastest_kernel(None, model, args, (0, 1), Path("."))
+    assert seen[-1] is fastest and model.kernel_choice is serving
