@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     aux_ids = Eagle3Config.for_target(model.config, 8192).aux_layer_ids
     conversations = [[{"role": "user", "content": p}]
                      for p in first_turns("train", 0)[:args.prompts]]
-    widths = (model.config.hidden_size, model.config.intermediate_size)
+    widths = model.config.reduction_widths
     dtype = model.lm_head.weight.dtype
     choices = {"fastest": fastest_linear_kernel(dtype, "cpu", widths),
                "serving": select_linear_kernel(dtype, "cpu", widths)}

@@ -57,10 +57,8 @@ def pack_for_inference(model: LlamaForCausalLM, device: str | torch.device,
     from runner.models.kernel_select import select_linear_kernel
 
     if model.kernel_choice is None:
-        cfg = model.config
         model.pack(select_linear_kernel(model.lm_head.weight.dtype, device,
-                                        (cfg.hidden_size, cfg.intermediate_size),
-                                        quantization))
+                                        model.config.reduction_widths, quantization))
     elif model.kernel_choice.kernel.quantization != quantization:
         raise ValueError(f"the loaded model is packed for quantization="
                          f"{model.kernel_choice.kernel.quantization}, this engine asks for "

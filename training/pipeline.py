@@ -154,17 +154,17 @@ def data_with_fastest_kernel(llm: LLM, model: LlamaForCausalLM, args: argparse.N
     then back on the engine's row-invariant one (the served figure checks lossless
     against it). The data is made at a fixed batch, so it needs no row to keep its bits
     in calls of other widths: on an Intel CPU with AMX the invariant kernel (oneDNN in
-    calls of at most 32 rows) made 516 answer tokens/s where the whole calls make 732
-    (`benchmarks/data_rate.py`, 512 instructions at 128; the same kernel elsewhere)."""
+    calls of at most 32 rows) made 477 answer tokens/s where oneDNN's whole calls make
+    724 (`benchmarks/results/data_rate_512_kernels.json`; the same kernel elsewhere)."""
     serving = model.kernel_choice
-    cfg = model.config
-    model.pack(fastest_linear_kernel(model.lm_head.weight.dtype, model.lm_head.weight.device,
-                                     (cfg.hidden_size, cfg.intermediate_size)))
+    if serving is None:  # not packed: nothing to hand back, so nothing to swap
+        return self_distilled_data(llm, model, args, aux_ids, cache)
+    weight = model.lm_head.weight
+    model.pack(fastest_linear_kernel(weight.dtype, weight.device, model.config.reduction_widths))
     try:
         return self_distilled_data(llm, model, args, aux_ids, cache)
     finally:
-        if serving is not None:
-            model.pack(serving)
+        model.pack(serving)
 
 
 def check_arguments(args: argparse.Namespace) -> None:

@@ -50,12 +50,17 @@ def select_linear_kernel(dtype: torch.dtype, device: torch.device | str,
                          f"got {quantization!r}")
     device = torch.device(device)
     candidates = _candidates(dtype, device, quantization)
-    widths = (in_features,) if isinstance(in_features, int) else in_features
     for kernel in candidates:
-        if all(is_row_invariant(kernel, dtype, width, device=str(device))
-               for width in widths):
+        if _invariant(kernel, dtype, device, in_features):
             return KernelChoice(kernel, True)
     return KernelChoice(candidates[-1], False)
+
+
+def _invariant(kernel: LinearKernel, dtype: torch.dtype, device: torch.device,
+               in_features: int | tuple[int, ...]) -> bool:
+    """`is_row_invariant` at every input width given."""
+    widths = (in_features,) if isinstance(in_features, int) else in_features
+    return all(is_row_invariant(kernel, dtype, width, device=str(device)) for width in widths)
 
 
 def fastest_linear_kernel(dtype: torch.dtype, device: torch.device | str,
@@ -65,13 +70,11 @@ def fastest_linear_kernel(dtype: torch.dtype, device: torch.device | str,
     width: the drafter's training data, made at a fixed batch (runner/models/linear.py
     `RowCapped`: on an AMX CPU the invariant kernel costs wide calls ~2x)."""
     device = torch.device(device)
-    widths = (in_features,) if isinstance(in_features, int) else in_features
+    width = in_features if isinstance(in_features, int) else in_features[0]
     for kernel in _candidates(dtype, device):
         try:
-            kernel.pack(torch.zeros(8, widths[0], dtype=dtype, device=device), None)
+            kernel.pack(torch.zeros(8, width, dtype=dtype, device=device), None)
         except (RuntimeError, NotImplementedError):
             continue  # the kernel does not run here at all
-        return KernelChoice(kernel, all(is_row_invariant(kernel, dtype, width,
-                                                         device=str(device))
-                                        for width in widths))
+        return KernelChoice(kernel, _invariant(kernel, dtype, device, in_features))
     raise RuntimeError(f"no linear kernel runs {dtype} on {device}")

@@ -60,6 +60,12 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
 
+    @property
+    def reduction_widths(self) -> tuple[int, int]:
+        """The input widths the linear layers reduce over (the hidden size; the MLP's
+        intermediate size, for its down projection): what a kernel is probed at."""
+        return self.hidden_size, self.intermediate_size
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
         """Build from a parsed HF config.json; refuses what this model cannot run."""

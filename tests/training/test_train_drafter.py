@@ -349,3 +349,9 @@ def test_the_data_phase_runs_on_the_fastest_kernel_and_hands_back_the_serving_on
     with pytest.raises(RuntimeError, match="failed"):
         pipeline.data_with_fastest_kernel(None, model, args, (0, 1), Path("."))
     assert seen[-1] is fastest and model.kernel_choice is serving
+    # An unpacked model has no serving kernel to hand back: it is left unpacked.
+    unpacked = LlamaForCausalLM(config).eval()
+    monkeypatch.setattr(pipeline, "self_distilled_data",
+                        lambda *_: seen.append(unpacked.kernel_choice) or {})
+    assert pipeline.data_with_fastest_kernel(None, unpacked, args, (0, 1), Path(".")) == {}
+    assert seen[-1] is None and unpacked.kernel_choice is None
