@@ -10,6 +10,7 @@ from torch import nn
 
 from runner.attention import AttentionBackend, AttentionMetadata
 from runner.models.llama import LlamaConfig, LlamaForCausalLM
+from spec_decode.sampling import greedy_ids
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -53,4 +54,4 @@ class DraftLM(nn.Module):
         return self._model[0].compute_logits(hidden)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.compute_logits(hidden).argmax(dim=-1)
+        return greedy_ids(self.compute_logits(hidden))

@@ -43,6 +43,7 @@ from runner.models.llama import (
 )
 from spec_decode.measured import MeasuredAcceptance
 from spec_decode.passes import MASK_ROW
+from spec_decode.sampling import greedy_ids
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -246,7 +247,7 @@ class Eagle3Head(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target token ids of the greedy drafts at these rows."""
-        return self.to_target_ids(self.compute_logits(hidden).argmax(dim=-1))
+        return self.to_target_ids(greedy_ids(self.compute_logits(hidden)))
 
 
 def save_eagle3(head: Eagle3Head, out_dir: Path, extra: dict[str, Any] | None = None) -> None:

@@ -20,6 +20,7 @@ from spec_decode.sampling import (
     apply_min_p,
     apply_top_k_top_p,
     exponential_race,
+    greedy_ids,
 )
 
 
@@ -56,12 +57,12 @@ class Sampler:
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
         if meta.all_greedy:
-            sampled = logits.argmax(dim=-1)  # [N]
+            sampled = greedy_ids(logits)  # [N]
         else:
             sampled = self._sample_random(logits, meta)  # [N]
             if not meta.all_random:
                 greedy_rows = meta.temperature < SAMPLING_EPS  # [N]
-                sampled = torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+                sampled = torch.where(greedy_rows, greedy_ids(logits), sampled)
         logprobs = None
         if raw_logprobs is not None and meta.max_num_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)

@@ -34,6 +34,7 @@ from spec_decode.sampling import (
     apply_min_p,
     apply_top_k_top_p,
     exponential_race,
+    greedy_ids,
     position_seed,
 )
 
@@ -137,7 +138,7 @@ class RejectionSampler:
     ) -> torch.Tensor:
         layout = DraftLayout.build(num_draft_tokens, target_logits.device)
         _check_shapes(layout, draft_token_ids, draft_probs, target_logits, sampling)
-        target_argmax = target_logits.argmax(dim=-1)  # [D + R]; temperature keeps argmax
+        target_argmax = greedy_ids(target_logits)  # [D + R]; temperature keeps argmax
         target_probs = None
         draws = None
         if not sampling.all_greedy:

@@ -10,7 +10,7 @@ import torch
 
 from runner.sampler import Sampler, SamplerOutput
 from scheduler.request import SamplingParams
-from spec_decode.sampling import apply_min_p, apply_top_k_top_p, position_seed
+from spec_decode.sampling import apply_min_p, apply_top_k_top_p, greedy_ids, position_seed
 from tests.sampling_helpers import chi2_critical, chi2_statistic, sampling_metadata
 
 VOCAB = 64
@@ -46,6 +46,34 @@ def test_greedy_equals_argmax() -> None:
     assert out.sampled_token_ids.dtype == torch.int64
     assert torch.equal(out.sampled_token_ids, logits.argmax(dim=-1))
     assert out.logprobs is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 128])
+def test_greedy_ids_break_ties_at_the_first_maximum_as_argmax_does(
+        dtype: torch.dtype, rows: int) -> None:
+    """Greedy decoding is lossless only if every path picks the same token among equal
+    logits: coarse integer logits tie often, and a row of NaN or of one value repeated
+    puts the tie everywhere."""
+    gen = torch.Generator().manual_seed(rows)
+    logits = torch.randint(-2, 3, (rows, 49_152), generator=gen).to(dtype)
+    logits[0, 17::1000] = 9.0  # the maximum at many places, the first at 17
+    if rows > 1:
+        logits[1] = 4.0
+    if rows > 2:
+        logits[2] = float("nan")
+    ids = greedy_ids(logits)
+    assert ids.dtype == torch.int64
+    assert torch.equal(ids, logits.argmax(dim=-1))
+    assert int(ids[0]) == 17
+
+
+def test_a_greedy_pick_that_takes_the_last_maximum_is_caught() -> None:
+    """The check above is real: the last of the equal maxima differs from argmax."""
+    logits = torch.zeros(1, 8)
+    logits[0, [2, 5]] = 1.0
+    last = logits.shape[1] - 1 - logits.flip(-1).argmax(dim=-1)
+    assert not torch.equal(last, greedy_ids(logits))
 
 
 def test_mixed_batch_greedy_rows_are_argmax_and_random_rows_vary() -> None:
