@@ -173,6 +173,9 @@ class Eagle3Head(nn.Module):
         self._fc = kernel.pack(self.fc.weight, None)
         self.midlayer.self_attn.pack(kernel)
         self.midlayer.mlp.pack(kernel)
+        for norm in (self.midlayer.input_layernorm, self.midlayer.hidden_norm,
+                     self.midlayer.post_attention_layernorm, self.norm):
+            norm.pack()
         self._lm_head = kernel.pack(self.lm_head.weight, None)
 
     @property

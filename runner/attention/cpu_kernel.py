@@ -8,10 +8,9 @@ guarantee by construction (each row's arithmetic runs in an order fixed by key i
 cpu_paged.c's header) and reads each key once per tile of rows, in the cache's own
 dtype.
 
-The library is compiled with the machine's C compiler (`CC`, default `cc`) for this
-CPU (`-march=native`) into `<cache>/kernels/`, named by a hash of the source, the flags,
-the compiler's version and the CPU's flags, so a changed source or another machine
-builds its own. Where no compiler works, `load()` returns None with the reason, and
+The library is compiled at first use (runner/native.py: the machine's C compiler, for
+this CPU, kept in the model cache by a hash of source, flags, compiler and CPU). Where
+no compiler works, `load()` returns None with the reason, and
 the runner's "auto" backend falls back to the torch path (`runner/config.py`).
 """
 
@@ -19,16 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
-from runner.model_prep import default_cache_dir
+from runner import native
 
 logger = logging.getLogger("specbudget.runner")
 
@@ -40,48 +34,15 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=gnu11",
 KERNEL_DTYPES = {"float32": 0, "bfloat16": 1}  # torch dtype name -> the kernel's code
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside its final name, then renamed: a concurrent build (pytest workers,
-    # two engines) never loads a half-written library.
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
-                       check=True, capture_output=True, text=True, timeout=120)
-        built.replace(target)
-
-
 @functools.cache
 def load() -> tuple[ctypes.CDLL | None, str]:
     """(the library, "") or (None, why not)."""
-    compiler = os.environ.get("CC", "cc")
-    if shutil.which(compiler) is None:
-        return _unavailable(f"no C compiler {compiler!r} on PATH")
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout.splitlines()[:1]
-        key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(),
-                                         "".join(version).encode(),
-                                         _cpu_flags().encode()])).hexdigest()[:16]
-        target = default_cache_dir() / "kernels" / f"cpu_paged-{platform.machine()}-{key}.so"
-        if not target.exists():
-            _build(compiler, target)
         # torch is imported first (it is the caller), so the library's libgomp.so.1 is
         # the one torch already loaded: one OpenMP thread pool, not two.
-        lib = ctypes.CDLL(str(target))
+        lib = native.compiled(SOURCE, FLAGS)
     except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or str(exc)
-        return _unavailable(f"building {SOURCE.name} failed: {detail.strip()[:500]}")
+        return _unavailable(native.failure(SOURCE, exc))
     fn = lib.specbudget_paged_attention
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, ptr, i64, i32, ptr, ptr, i32, i64,

@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -45,21 +47,6 @@ static inline vec fma_vec(vec a, float b, vec c) {
     for (int l = 0; l < LANES; l++) c[l] = fmaf(a[l], b, c[l]);
     return c;
 #endif
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 /* exp(x) for x <= 0 (a score less the row's maximum): Cody-Waite reduction and the

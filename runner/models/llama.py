@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.attention import AttentionBackend, AttentionMetadata
+from runner.models.cpu_norm import NormFn, norm_for, torch_rms_norm
 from runner.models.linear import KernelChoice, LinearKernel, PackedLinear
 
 # Checkpoint entries that carry no weights we need (old HF saves include the RoPE table).
@@ -175,15 +176,22 @@ class Rotary:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, the mean of squares in fp32 (torch's fused kernel)."""
+    """x / rms(x) * weight, the mean of squares in fp32 (torch's fused kernel; packed
+    for inference, one compiled call on the CPU: runner/models/cpu_norm.py)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self._norm: NormFn = torch_rms_norm
+
+    def pack(self) -> None:
+        """Inference only, as the linear layers' `pack`: no gradient flows through the
+        compiled norm."""
+        self._norm = norm_for(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self._norm(x, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -335,6 +343,9 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, LlamaDecoderLayer)
             layer.self_attn.pack(choice.kernel)
             layer.mlp.pack(choice.kernel)
+            layer.input_layernorm.pack()
+            layer.post_attention_layernorm.pack()
+        self.model.norm.pack()
         self._lm_head = choice.kernel.pack(self.lm_head.weight, None)
         self.kernel_choice = choice
 

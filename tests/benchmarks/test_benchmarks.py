@@ -572,3 +572,20 @@ def test_goodput_ab_refuses_a_setting_that_does_not_exist() -> None:
     assert goodput_ab.parse_variant("finish_min_running=1") == {"finish_min_running": 1}
     with pytest.raises(SystemExit, match="finish_min_runing"):
         goodput_ab.parse_variant("finish_min_runing=1")
+
+
+@pytest.mark.model
+@needs_compiler
+def test_norm_kernel_quick(tmp_path: Path) -> None:
+    """Off, and eagle where a trained head is cached, each with the compiled norm and
+    torch's, side by side; speculation equal to off under either norm."""
+    from benchmarks import norm_kernel
+
+    report = norm_kernel.main(["--quick", "--out", str(tmp_path / "n.json")])
+    assert json.loads((tmp_path / "n.json").read_text()) == report
+    for name, row in report["results"].items():
+        assert row["compiled"]["tokens_per_s"] > 0 and row["torch"]["tokens_per_s"] > 0
+        assert 0 <= row["shared_prefix_tokens"] <= row["compiled"]["output_tokens"]
+        if name == "eagle":
+            assert row["lossless_compiled"] and row["lossless_torch"]
+    assert "off" in report["results"]
