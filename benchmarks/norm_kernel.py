@@ -1,4 +1,4 @@
-"""RMSNorm through the compiled call (runner/models/cpu_norm.py) against torch's
+"""RMSNorm through the compiled call (runner/models/cpu_ops.py) against torch's
 `F.rms_norm`, through the engine, at one request: output tok/s with speculation off and
 with eagle at fixed K (its trained head, where the model cache has one), every
 configuration stepped side by side (engine/stepwise.py) on held-out instructions.
@@ -27,7 +27,7 @@ from engine.llm import LLM  # noqa: E402
 from engine.stepwise import run_side_by_side  # noqa: E402
 from runner.drafter import find_trained_head  # noqa: E402
 from runner.model_prep import resolve_model  # noqa: E402
-from runner.models.cpu_norm import compiled_rms_norm, load, torch_rms_norm  # noqa: E402
+from runner.models.cpu_ops import compiled_rms_norm, load, torch_rms_norm  # noqa: E402
 from runner.models.llama import RMSNorm  # noqa: E402
 from scheduler import SamplingParams  # noqa: E402
 from training.prompts import instructions  # noqa: E402

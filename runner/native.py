@@ -5,7 +5,7 @@ Each library is built with the machine's C compiler (`CC`, default `cc`) for thi
 the compiler's version and the CPU's flags, so a changed source or another machine
 builds its own, and a second load finds the first one's file. Callers catch OSError
 and SubprocessError and fall back to torch (runner/attention/cpu_kernel.py,
-runner/models/cpu_norm.py).
+runner/models/cpu_ops.py).
 """
 
 from __future__ import annotations

@@ -243,10 +243,36 @@ static int metadata_in_range(const int32_t *block_table, int64_t table_stride,
     return 1;
 }
 
-/* dtype: 0 float32, 1 bfloat16. Returns 0; -1 when scratch could not be allocated; -2
+/* Every slot this step writes lies inside the caches (the torch path's index_copy_
+ * raises on one that does not). */
+static int slots_in_range(const int64_t *slot_mapping, int64_t num_tokens, int64_t slots) {
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slot_mapping[t] < 0 || slot_mapping[t] >= slots) return 0;
+    return 1;
+}
+
+/* This step's K/V rows into their cache slots, before any row attends: the same bytes
+ * as the write-only pass's index_copy_ (runner/attention/backend.py `write_kv`), in
+ * the call that reads them, where two torch ops per layer cost ~18 us at one row. */
+static void write_rows(const void *key, int64_t key_stride, const void *value,
+                       int64_t value_stride, const int64_t *slot_mapping, void *key_cache,
+                       void *value_cache, int64_t num_tokens, int64_t row_bytes) {
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t slot = slot_mapping[t];
+        memcpy((char *)key_cache + slot * row_bytes,
+               (const char *)key + t * key_stride, (size_t)row_bytes);
+        memcpy((char *)value_cache + slot * row_bytes,
+               (const char *)value + t * value_stride, (size_t)row_bytes);
+    }
+}
+
+/* dtype: 0 float32, 1 bfloat16. key and value: this step's rows, `key_stride` and
+ * `value_stride` bytes apart, written to the slots `slot_mapping` names. Returns 0; -1 when scratch could not be allocated; -2
  * for metadata out of range (refused before any key or query is read). */
 int specbudget_paged_attention(int dtype, const void *query, int64_t query_stride,
-                               const void *key_cache, const void *value_cache, void *out,
+                               const void *key, int64_t key_stride, const void *value,
+                               int64_t value_stride, const int64_t *slot_mapping,
+                               void *key_cache, void *value_cache, void *out,
                                const int32_t *block_table, int64_t table_stride,
                                int32_t table_width, const int32_t *query_start_loc,
                                const int32_t *seq_lens, int32_t num_reqs, int64_t num_tokens,
@@ -254,8 +280,11 @@ int specbudget_paged_attention(int dtype, const void *query, int64_t query_strid
                                int32_t head_dim, int32_t block_size, float scale) {
     if (block_size < 1 || num_kv_heads < 1 || num_heads % num_kv_heads ||
         !metadata_in_range(block_table, table_stride, table_width, query_start_loc, seq_lens,
-                           num_reqs, num_tokens, num_blocks, block_size))
+                           num_reqs, num_tokens, num_blocks, block_size) ||
+        !slots_in_range(slot_mapping, num_tokens, num_blocks * block_size))
         return -2;
+    write_rows(key, key_stride, value, value_stride, slot_mapping, key_cache, value_cache,
+               num_tokens, (int64_t)num_kv_heads * head_dim * (dtype == 1 ? 2 : 4));
     Args a = {query, key_cache, value_cache, out, block_table, query_start_loc, seq_lens,
               table_stride, query_stride, num_heads, num_kv_heads, head_dim, block_size,
               scale};

@@ -37,15 +37,27 @@ class CpuPagedAttention(AttentionBackend):
             _check_metadata(meta)
             self._checked = meta
         num_tokens = meta.num_actual_tokens
-        self.write(key, value, key_cache, value_cache, meta)
-        query = query[:num_tokens]
-        if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
-            query = query.contiguous()
+        query, key, value = _rows(query, num_tokens), _rows(key, num_tokens), _rows(
+            value, num_tokens)
+        if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
+            raise ValueError(f"the cpu attention backend writes keys and values of the "
+                             f"caches' dtype ({key_cache.dtype}), got {key.dtype}, "
+                             f"{value.dtype}")
         out = torch.empty((num_tokens, *query.shape[1:]), dtype=query.dtype)
         table = meta.block_table
         num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-        status = self._fn(code, query.data_ptr(),
-                          query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+        if key.shape[1:] != (num_kv_heads, head_dim) or value.shape[1:] != key.shape[1:]:
+            raise ValueError(f"keys and values of shape [T, {num_kv_heads}, {head_dim}] "
+                             f"go into these caches, got {tuple(key.shape)}, "
+                             f"{tuple(value.shape)}")
+        size = key.element_size()
+        # The kernel writes this step's K/V into the caches before it attends (the
+        # same bytes as `write`, in the call that reads them).
+        status = self._fn(code, query.data_ptr(), query.stride(0),
+                          key.data_ptr(), key.stride(0) * size,
+                          value.data_ptr(), value.stride(0) * size,
+                          meta.slot_mapping.data_ptr(),
+                          key_cache.data_ptr(), value_cache.data_ptr(),
                           out.data_ptr(), table.data_ptr(), table.stride(0), table.shape[1],
                           meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
                           meta.num_reqs, num_tokens, num_blocks, query.shape[1], num_kv_heads,
@@ -53,10 +65,26 @@ class CpuPagedAttention(AttentionBackend):
         if status == -2:
             raise ValueError("attention metadata out of range: a request's rows, sequence "
                              "length or block ids do not fit the query rows, its block "
-                             "table or the KV caches")
+                             "table or the KV caches, or a slot of slot_mapping lies "
+                             "outside the caches")
         if status != 0:
             raise MemoryError("cpu attention kernel could not allocate its scratch")
         return out
+
+
+def _rows(t: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The first `num_tokens` rows of [T, heads, D], heads and elements contiguous
+    (rows may be spaced, as q, k and v are views of one projection): as is where they
+    are (no op at all for a whole, unpadded pass: each costs microseconds here), else
+    a copy."""
+    if t.shape[0] != num_tokens:
+        t = t[:num_tokens]
+    if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+        return t.contiguous()
+    return t
+
+
+_CODES = {getattr(torch, name): code for name, code in KERNEL_DTYPES.items()}
 
 
 def _check_tensors(query: torch.Tensor, key_cache: torch.Tensor,
@@ -65,7 +93,7 @@ def _check_tensors(query: torch.Tensor, key_cache: torch.Tensor,
     pointers); the kernel's code for their dtype."""
     if query.device.type != "cpu":
         raise ValueError(f"the cpu attention backend runs on the CPU, got {query.device}")
-    code = KERNEL_DTYPES.get(str(query.dtype).removeprefix("torch."))
+    code = _CODES.get(query.dtype)
     if code is None or key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
         raise ValueError(f"the cpu attention backend takes {' or '.join(KERNEL_DTYPES)} "
                          f"queries and caches of the same dtype, got {query.dtype}, "
@@ -90,3 +118,10 @@ def _check_metadata(meta: AttentionMetadata) -> None:
         if t.dtype != torch.int32 or t.device.type != "cpu" or t.stride(-1) != 1:
             raise ValueError(f"the cpu attention backend needs {name} as a CPU int32 "
                              f"tensor with unit stride, got {t.dtype} on {t.device}")
+    slots = meta.slot_mapping
+    if (slots.dtype != torch.int64 or slots.device.type != "cpu" or slots.stride(-1) != 1
+            or slots.numel() < meta.num_actual_tokens):
+        raise ValueError(f"the cpu attention backend needs slot_mapping as a CPU int64 "
+                         f"tensor with unit stride and a slot per token "
+                         f"({meta.num_actual_tokens}), got {slots.dtype} on {slots.device}, "
+                         f"{slots.numel()} slots")

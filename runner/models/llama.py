@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.attention import AttentionBackend, AttentionMetadata
-from runner.models.cpu_norm import NormFn, norm_for, torch_rms_norm
+from runner.models.cpu_ops import NormFn, compiled_rope, norm_for, torch_rms_norm
 from runner.models.linear import KernelChoice, LinearKernel, PackedLinear
 
 # Checkpoint entries that carry no weights we need (old HF saves include the RoPE table).
@@ -169,7 +169,11 @@ class Rotary:
         return cls(cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D] (any heads: q and k together)."""
+        """x [T, H, D] (any heads: q and k together). One compiled call on the CPU
+        where it runs (the same bits: runner/models/cpu_ops.py)."""
+        compiled = compiled_rope(x, self.cos, self.signed_sin)
+        if compiled is not None:
+            return compiled
         half = x.shape[-1] // 2
         swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
         return torch.addcmul(x * self.cos, swapped, self.signed_sin)
@@ -177,7 +181,7 @@ class Rotary:
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, the mean of squares in fp32 (torch's fused kernel; packed
-    for inference, one compiled call on the CPU: runner/models/cpu_norm.py)."""
+    for inference, one compiled call on the CPU: runner/models/cpu_ops.py)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()

@@ -97,22 +97,30 @@ def test_inputs_it_cannot_read_are_refused_by_name() -> None:
 
 @needs_compiler
 def test_metadata_that_would_read_outside_the_caches_is_refused() -> None:
-    """The kernel reads raw pointers: a block id past the cache, a sequence shorter than
-    its rows or fewer requests than num_reqs fail by name before the kernel reads."""
+    """The kernel reads and writes raw pointers: a block id past the cache, a sequence
+    shorter than its rows, fewer requests than num_reqs or a slot outside the caches
+    fail by name before the kernel reads or writes anything."""
     backend = get_attention_backend("cpu")
     for broken, message in (("block id", "out of range"), ("seq_len", "out of range"),
-                            ("num_reqs", "fewer than num_reqs=5")):
+                            ("num_reqs", "fewer than num_reqs=5"),
+                            ("slot", "slot of slot_mapping"), ("negative slot", "slot_mapping")):
         batch = make_batch(MIXED, 6, 2, 32, 4)
         key_cache, value_cache = batch.clone_caches()
         if broken == "block id":
             batch.meta.block_table[1, 0] = key_cache.shape[0]
         elif broken == "seq_len":
             batch.meta.seq_lens[2] = 1  # 6 rows cannot sit in 1 position
-        else:
+        elif broken == "num_reqs":
             batch.meta.num_reqs += 1
+        else:
+            batch.meta.slot_mapping[-1] = (-1 if broken == "negative slot"
+                                           else key_cache.shape[0] * key_cache.shape[1])
+        before = key_cache.clone(), value_cache.clone()
         with pytest.raises(ValueError, match=message):
             backend.forward(batch.query, batch.key, batch.value, key_cache, value_cache,
                             batch.meta, 0.1)
+        for cache, was in zip((key_cache, value_cache), before, strict=True):
+            assert torch.equal(cache.view(torch.uint8), was.view(torch.uint8))  # NaN-filled
 
 
 @needs_compiler

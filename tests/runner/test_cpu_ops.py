@@ -1,6 +1,7 @@
-"""The compiled RMSNorm (runner/models/cpu_norm.py): torch's result, a row's bits the same
-alone and in any batch, the packed model's norms, and torch's norm wherever the
-compiled one cannot run."""
+"""The compiled layer ops (runner/models/cpu_ops.py). RMSNorm: torch's result, a row's
+bits the same alone and in any batch, the packed model's norms, and torch's norm
+wherever the compiled one cannot run. The rotation: `Rotary`'s torch arithmetic bit
+for bit, on the strided q/k view a layer hands it."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runner.models import cpu_norm
-from runner.models.cpu_norm import compiled_rms_norm, norm_for, torch_rms_norm
-from runner.models.llama import RMSNorm
+from runner.models import cpu_ops
+from runner.models.cpu_ops import compiled_rms_norm, compiled_rope, norm_for, torch_rms_norm
+from runner.models.llama import RMSNorm, Rotary
 from tests.helpers import needs_compiler
 
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -123,9 +124,9 @@ def test_without_a_compiler_the_packed_norm_is_torchs(monkeypatch: pytest.Monkey
                                                        tmp_path: Path) -> None:
     monkeypatch.setenv("CC", "no-such-compiler-here")
     monkeypatch.setenv("SPECBUDGET_CACHE_DIR", str(tmp_path))
-    cpu_norm.load.cache_clear()
+    cpu_ops.load.cache_clear()
     try:
-        lib, why = cpu_norm.load()
+        lib, why = cpu_ops.load()
         assert lib is None and "no C compiler 'no-such-compiler-here'" in why
         norm = RMSNorm(16, 1e-5)
         norm.pack()
@@ -134,4 +135,50 @@ def test_without_a_compiler_the_packed_norm_is_torchs(monkeypatch: pytest.Monkey
         assert torch.equal(compiled_rms_norm(x, norm.weight, 1e-5),
                            F.rms_norm(x, (16,), norm.weight, 1e-5))
     finally:
-        cpu_norm.load.cache_clear()
+        cpu_ops.load.cache_clear()
+
+
+def rotary(tokens: int, dim: int, dtype: torch.dtype) -> Rotary:
+    gen = torch.Generator().manual_seed(tokens)
+    angles = torch.rand(tokens, 1, dim, generator=gen) * 500  # positions up to ~500
+    return Rotary.from_cos_sin(angles.cos().to(dtype), angles.sin().to(dtype))
+
+
+def torch_rotation(rot: Rotary, x: torch.Tensor) -> torch.Tensor:
+    """`Rotary.__call__`'s torch arithmetic, written out."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * rot.cos, swapped, rot.signed_sin)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_the_rotation_is_torchs_bit_for_bit(dtype: torch.dtype, tokens: int) -> None:
+    """q and k as a layer hands them over: the first 12 heads of a [T, 15, 64]
+    projection (rows 15 heads apart). Both paths meet in one model (a write-only pass
+    and a full pass write the same keys), so close is not enough."""
+    qkv = rows(tokens * 15, 64, dtype).view(tokens, 15, 64)
+    x, rot = qkv[:, :12], rotary(tokens, 64, dtype)
+    got = compiled_rope(x, rot.cos, rot.signed_sin)
+    assert got is not None and got.is_contiguous()
+    assert torch.equal(got, torch_rotation(rot, x))
+    assert torch.equal(rot(x), got)
+    # The comparison sees a wrong sign: sin where the first half wants -sin.
+    plain_sin = torch.cat((-rot.signed_sin[..., :32], rot.signed_sin[..., 32:]), dim=-1)
+    assert not torch.equal(compiled_rope(x, rot.cos, plain_sin.contiguous()), got)
+
+
+@needs_compiler
+def test_a_rotation_it_cannot_run_is_left_to_torch() -> None:
+    rot16 = rotary(3, 8, torch.float16)
+    assert compiled_rope(rows(3, 16, torch.float16).view(3, 2, 8), rot16.cos,
+                         rot16.signed_sin) is None
+    rot = rotary(3, 8, torch.float32)
+    strided = rows(3, 32, torch.float32).view(3, 2, 16)[:, :, ::2]  # elements spaced
+    assert compiled_rope(strided, rot.cos, rot.signed_sin) is None
+    assert torch.equal(rot(strided), torch_rotation(rot, strided))
+    wanting = rows(3, 16, torch.float32).view(3, 2, 8).requires_grad_()
+    assert compiled_rope(wanting, rot.cos, rot.signed_sin) is None
+    rot(wanting).sum().backward()  # torch's path: the gradient flows
+    assert wanting.grad is not None
