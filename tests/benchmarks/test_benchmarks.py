@@ -589,3 +589,27 @@ def test_norm_kernel_quick(tmp_path: Path) -> None:
         if name == "eagle":
             assert row["lossless_compiled"] and row["lossless_torch"]
     assert "off" in report["results"]
+
+
+@pytest.mark.model
+def test_decode_ab_quick_against_head(tmp_path: Path) -> None:
+    """Both sides run (HEAD in a worktree against this checkout), each in its own
+    process importing its own tree, and report tok/s and losslessness per side."""
+    from benchmarks import decode_ab
+
+    report = decode_ab.main(["--quick", "--base", "HEAD", "--methods", "off,ngram",
+                             "--out", str(tmp_path / "d.json")])
+    row = report["results"]["ngram"]
+    assert row["base"]["equal_to_off"] and row["head"]["equal_to_off"]
+    assert all(x > 0 for side in ("base", "head") for x in row[side]["tokens_per_s"])
+    assert report["base_commit"] == report["head"]  # HEAD is the checkout's commit
+
+
+@pytest.mark.model
+def test_decode_ab_refuses_a_side_that_imported_another_tree(tmp_path: Path) -> None:
+    """A tree without the project's packages imports the installed checkout's: that
+    run would measure the wrong side, and is refused."""
+    from benchmarks import decode_ab
+
+    with pytest.raises(RuntimeError, match="imported another checkout's engine"):
+        decode_ab.measure(tmp_path, "off", 1, 2, 4)
