@@ -21,6 +21,35 @@ static inline float load(const void *base, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
+static inline void store(void *base, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)base)[i] = f32_to_bf16(v);
+    else
+        ((float *)base)[i] = v;
+}
+
+/* One row of `specbudget_rms_norm`; `bf16` is a constant at each call, so the compiler
+ * makes a loop per dtype. */
+static inline void norm_row(const void *x, int64_t row, const void *weight, void *out,
+                            int64_t out_row, int64_t n, float eps, int bf16) {
+    float chains[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) {
+            const float v = load(x, row + i + l, bf16);
+            chains[l] = fmaf(v, v, chains[l]);
+        }
+    for (int l = 0; i + l < n; l++) {
+        const float v = load(x, row + i + l, bf16);
+        chains[l] = fmaf(v, v, chains[l]);
+    }
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; l++) sum += chains[l];
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (int64_t j = 0; j < n; j++)
+        store(out, out_row + j, load(x, row + j, bf16) * inv * load(weight, j, bf16), bf16);
+}
+
 /* out = x * (1 / sqrt(mean(x^2) + eps)) * weight, in float32, rounded once to the
  * output's dtype: torch's formula. A row's sum of squares is sixteen fused multiply-add
  * chains over the row's elements in order (element i in chain i % 16), then the
@@ -30,30 +59,24 @@ static inline float load(const void *base, int64_t i, int bf16) {
  * elements apart; out is contiguous [rows, n]. */
 void specbudget_rms_norm(int dtype, const void *x, int64_t x_stride, const void *weight,
                          void *out, int64_t rows, int64_t n, float eps) {
-    const int bf16 = dtype == 1;
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t row = r * x_stride;
-        float chains[LANES] = {0};
-        int64_t i = 0;
-        for (; i + LANES <= n; i += LANES)
-            for (int l = 0; l < LANES; l++) {
-                const float v = load(x, row + i + l, bf16);
-                chains[l] = fmaf(v, v, chains[l]);
-            }
-        for (int l = 0; i + l < n; l++) {
-            const float v = load(x, row + i + l, bf16);
-            chains[l] = fmaf(v, v, chains[l]);
-        }
-        float sum = 0.0f;
-        for (int l = 0; l < LANES; l++) sum += chains[l];
-        const float inv = 1.0f / sqrtf(sum / (float)n + eps);
-        for (int64_t j = 0; j < n; j++) {
-            const float y = load(x, row + j, bf16) * inv * load(weight, j, bf16);
-            if (bf16)
-                ((uint16_t *)out)[r * n + j] = f32_to_bf16(y);
-            else
-                ((float *)out)[r * n + j] = y;
-        }
+        if (dtype == 1)
+            norm_row(x, r * x_stride, weight, out, r * n, n, eps, 1);
+        else
+            norm_row(x, r * x_stride, weight, out, r * n, n, eps, 0);
+    }
+}
+
+/* One half of one head of `specbudget_rope`: out[d] = x[d] * cos[d] (rounded to the
+ * dtype) + x[partner of d] * signed_sin[d] (one fused multiply-add, rounded). */
+static inline void rope_half(const void *x, int64_t src, int64_t partner, const void *cos,
+                             const void *signed_sin, int64_t table, void *out, int64_t dst,
+                             int64_t count, int bf16) {
+    for (int64_t d = 0; d < count; d++) {
+        float scaled = load(x, src + d, bf16) * load(cos, table + d, bf16);
+        if (bf16) scaled = bf16_to_f32(f32_to_bf16(scaled));
+        store(out, dst + d,
+              fmaf(load(x, partner + d, bf16), load(signed_sin, table + d, bf16), scaled), bf16);
     }
 }
 
@@ -65,21 +88,19 @@ void specbudget_rms_norm(int dtype, const void *x, int64_t x_stride, const void 
 void specbudget_rope(int dtype, const void *x, int64_t x_stride, const void *cos,
                      const void *signed_sin, void *out, int64_t tokens, int64_t heads,
                      int64_t dim) {
-    const int bf16 = dtype == 1;
     const int64_t half = dim / 2;
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < heads; h++) {
             const int64_t src = t * x_stride + h * dim, dst = (t * heads + h) * dim;
-            for (int64_t d = 0; d < dim; d++) {
-                const int64_t other = d < half ? d + half : d - half;
-                float scaled = load(x, src + d, bf16) * load(cos, t * dim + d, bf16);
-                if (bf16) scaled = bf16_to_f32(f32_to_bf16(scaled));
-                const float y = fmaf(load(x, src + other, bf16),
-                                     load(signed_sin, t * dim + d, bf16), scaled);
-                if (bf16)
-                    ((uint16_t *)out)[dst + d] = f32_to_bf16(y);
-                else
-                    ((float *)out)[dst + d] = y;
+            const int64_t table = t * dim;
+            if (dtype == 1) {
+                rope_half(x, src, src + half, cos, signed_sin, table, out, dst, half, 1);
+                rope_half(x, src + half, src, cos, signed_sin, table + half, out, dst + half,
+                          half, 1);
+            } else {
+                rope_half(x, src, src + half, cos, signed_sin, table, out, dst, half, 0);
+                rope_half(x, src + half, src, cos, signed_sin, table + half, out, dst + half,
+                          half, 0);
             }
         }
 }

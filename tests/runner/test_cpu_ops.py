@@ -178,6 +178,9 @@ def test_a_rotation_it_cannot_run_is_left_to_torch() -> None:
     strided = rows(3, 32, torch.float32).view(3, 2, 16)[:, :, ::2]  # elements spaced
     assert compiled_rope(strided, rot.cos, rot.signed_sin) is None
     assert torch.equal(rot(strided), torch_rotation(rot, strided))
+    long_chunk = rotary(cpu_ops.ROPE_MAX_TOKENS + 1, 8, torch.float32)
+    chunk_rows = rows(cpu_ops.ROPE_MAX_TOKENS + 1, 16, torch.float32).view(-1, 2, 8)
+    assert compiled_rope(chunk_rows, long_chunk.cos, long_chunk.signed_sin) is None
     wanting = rows(3, 16, torch.float32).view(3, 2, 8).requires_grad_()
     assert compiled_rope(wanting, rot.cos, rot.signed_sin) is None
     rot(wanting).sum().backward()  # torch's path: the gradient flows
