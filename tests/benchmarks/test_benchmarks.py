@@ -613,3 +613,30 @@ def test_decode_ab_refuses_a_side_that_imported_another_tree(tmp_path: Path) -> 
 
     with pytest.raises(RuntimeError, match="imported another checkout's engine"):
         decode_ab.measure(tmp_path, "off", 1, 2, 4)
+
+
+def test_draft_starts_reads_each_verification_where_its_drafts_start() -> None:
+    """Steps as the runner reports them: a prefill emitting one token and proposing
+    drafts, a verification accepting two of them plus its bonus, one accepting none,
+    and a last step past the answer's end (its drafts never verified)."""
+    from benchmarks.draft_starts import served_starts
+
+    steps = [([5], [6, 7, 8, 9]), ([6, 7, 1], [2, 3, 4, 5]), ([9], [10, 11, 12, 13])]
+    assert served_starts(steps, answer_len=5) == [(1, 6, 2), (4, 2, 0)]
+    # The check sees an off-by-one: counting from 0 emitted tokens moves every start.
+    assert served_starts(steps, answer_len=5) != [(0, 6, 2), (3, 2, 0)]
+
+
+@pytest.mark.model
+def test_draft_starts_quick(tmp_path: Path) -> None:
+    """Serving's first drafts are the teacher-forced ones (the drafter's state after a
+    verification is what training computes), and the shares are shares. An untrained
+    head (no trained one is needed here) drafts deterministically all the same."""
+    from benchmarks import draft_starts
+
+    report = draft_starts.main(["--quick", "--head", "random",
+                                "--out", str(tmp_path / "s.json")])
+    assert report["verifications"] > 0 and report["positions"] > 0
+    assert report["served_first_equals_teacher_forced"] == 1.0
+    assert report["served_first_accepted"] == report["teacher_forced_first_at_draft_starts"]
+    assert 0.0 <= report["teacher_forced_first_at_every_position"] <= 1.0
