@@ -2,6 +2,8 @@
  *
  * Built at first use by runner/attention/cpu_kernel.py (gcc -O3 -march=native -fopenmp
  * -ffp-contract=off) and called through ctypes; the Python side documents the contract.
+ * The call first writes the step's own K/V rows into their cache slots (what a torch
+ * backend does before it attends), then attends.
  *
  * Each query row's result is a function of its own query and its own keys and values
  * only, computed in an order fixed by key index: a score is a fused multiply-add chain
@@ -267,8 +269,9 @@ static void write_rows(const void *key, int64_t key_stride, const void *value,
 }
 
 /* dtype: 0 float32, 1 bfloat16. key and value: this step's rows, `key_stride` and
- * `value_stride` bytes apart, written to the slots `slot_mapping` names. Returns 0; -1 when scratch could not be allocated; -2
- * for metadata out of range (refused before any key or query is read). */
+ * `value_stride` bytes apart, written to the slots `slot_mapping` names before any row
+ * attends. Returns 0; -1 when scratch could not be allocated; -2 for metadata or a slot
+ * out of range (refused before anything is read or written). */
 int specbudget_paged_attention(int dtype, const void *query, int64_t query_stride,
                                const void *key, int64_t key_stride, const void *value,
                                int64_t value_stride, const int64_t *slot_mapping,

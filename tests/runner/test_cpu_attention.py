@@ -87,10 +87,24 @@ def test_inputs_it_cannot_read_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="contiguous KV caches"):
         backend.forward(batch.query, batch.key, batch.value, key_cache.transpose(1, 2),
                         value_cache.transpose(1, 2), batch.meta, 0.1)
+    with pytest.raises(ValueError, match="keys and values of the caches' dtype"):
+        backend.forward(batch.query, batch.key.double(), batch.value, key_cache, value_cache,
+                        batch.meta, 0.1)
+    with pytest.raises(ValueError, match=r"keys and values of shape \[T, 2, 32\]"):
+        backend.forward(batch.query, batch.key[:, :1], batch.value[:, :1], key_cache,
+                        value_cache, batch.meta, 0.1)
+    # The metadata's layout is checked once per pass (a runner builds a fresh one per
+    # pass): a fresh backend for each broken one.
+    slots = batch.meta.slot_mapping
+    batch.meta.slot_mapping = slots.int()
+    with pytest.raises(ValueError, match="slot_mapping as a CPU int64"):
+        get_attention_backend("cpu").forward(batch.query, batch.key, batch.value, key_cache,
+                                             value_cache, batch.meta, 0.1)
+    batch.meta.slot_mapping = slots
     batch.meta.seq_lens = batch.meta.seq_lens.long()
     with pytest.raises(ValueError, match="seq_lens as a CPU int32"):
-        backend.forward(batch.query, batch.key, batch.value, key_cache, value_cache,
-                        batch.meta, 0.1)
+        get_attention_backend("cpu").forward(batch.query, batch.key, batch.value, key_cache,
+                                             value_cache, batch.meta, 0.1)
     with pytest.raises(ValueError, match="attention_backend=cpu runs on the CPU only"):
         RunnerConfig(device="cuda", attention_backend="cpu")
 
