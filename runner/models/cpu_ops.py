@@ -73,7 +73,8 @@ def compiled_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Ten
     n = x.shape[-1]
     code = DTYPES.get(x.dtype)
     if (lib is None or code is None or w.dtype != x.dtype or x.device.type != "cpu"
-            or x.stride(-1) != 1 or w.shape != (n,) or not w.is_contiguous()):
+            or w.device.type != "cpu" or x.stride(-1) != 1 or w.shape != (n,)
+            or not w.is_contiguous()):
         return torch_rms_norm(x, w, eps)
     rows = x.reshape(-1, n)  # a view where x's rows are evenly spaced, else a copy
     out = torch.empty(x.shape, dtype=x.dtype)
@@ -103,9 +104,10 @@ def compiled_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
         return None
     tokens, heads, dim = x.shape
     if (tokens > ROPE_MAX_TOKENS or cos.dtype != x.dtype or signed_sin.dtype != x.dtype
-            or x.stride(2) != 1 or x.stride(1) != dim or dim % 2 or cos.shape != (tokens, 1, dim)
-            or signed_sin.shape != cos.shape or not cos.is_contiguous()
-            or not signed_sin.is_contiguous()
+            or cos.device != x.device or signed_sin.device != x.device
+            or x.stride(2) != 1 or x.stride(1) != dim or dim % 2
+            or cos.shape != (tokens, 1, dim) or signed_sin.shape != cos.shape
+            or not cos.is_contiguous() or not signed_sin.is_contiguous()
             or (x.requires_grad and torch.is_grad_enabled())):
         return None
     out = torch.empty((tokens, heads, dim), dtype=x.dtype)
