@@ -5,9 +5,10 @@ configuration stepped side by side (engine/stepwise.py) on held-out instructions
 
 The torch variant is the same packed model with its norms (the target's and the
 head's) handed back to `F.rms_norm`; nothing else differs. Ratios within the run are
-the figure (this machine's speed drifts). Also: how many output tokens each compiled
-configuration shares with its torch twin (the norms round alike in all but a few
-elements in 100,000, so greedy outputs may part late in an answer).
+the figure (this machine's speed drifts). Also: where each compiled configuration's
+outputs first part from its torch twin's (`greedy_equality.compare`: the norms round
+alike in all but a few elements in 100,000, so greedy outputs may part late in an
+answer).
 
     python benchmarks/norm_kernel.py [--quick] [--prompts N] [--max-tokens T] [--out PATH]
 """
@@ -23,6 +24,7 @@ if str(ROOT) not in sys.path:  # run as a script: make the repo's packages impor
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import bench_parser, out_path, write_report  # noqa: E402
+from benchmarks.greedy_equality import compare  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.stepwise import run_side_by_side  # noqa: E402
 from runner.drafter import find_trained_head  # noqa: E402
@@ -83,8 +85,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row = rows[configs[i][0]]
         row["compiled_over_torch"] = round(row["compiled"]["tokens_per_s"]
                                            / row["torch"]["tokens_per_s"], 3)
-        row["shared_prefix_tokens"] = sum(_shared(a, b) for a, b in
-                                          zip(tokens[i], tokens[i + 1], strict=True))
+        # Where the compiled norm's greedy outputs part from torch's (greedy_equality's
+        # comparison, torch's outputs the reference).
+        row["against_torch"] = compare(tokens[i + 1], tokens[i])
     if "eagle" in rows:  # speculation must not change a greedy output, either norm
         for compiled in (0, 1):
             rows["eagle"]["lossless_" + ("torch" if compiled else "compiled")] = (
@@ -95,16 +98,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     write_report(out_path(args, DEFAULT_OUT), report)
     print(report)
     return report
-
-
-def _shared(a: list[int], b: list[int]) -> int:
-    """Tokens two outputs share before they first differ."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 if __name__ == "__main__":

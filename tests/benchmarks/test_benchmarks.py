@@ -585,7 +585,9 @@ def test_norm_kernel_quick(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "n.json").read_text()) == report
     for name, row in report["results"].items():
         assert row["compiled"]["tokens_per_s"] > 0 and row["torch"]["tokens_per_s"] > 0
-        assert 0 <= row["shared_prefix_tokens"] <= row["compiled"]["output_tokens"]
+        against = row["against_torch"]
+        assert against["requests"] == report["prompts"]
+        assert against["equal"] + len(against["divergences"]) == against["requests"]
         if name == "eagle":
             assert row["lossless_compiled"] and row["lossless_torch"]
     assert "off" in report["results"]
