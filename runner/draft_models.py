@@ -10,7 +10,7 @@ from torch import nn
 
 from runner.attention import AttentionBackend, AttentionMetadata
 from runner.models.llama import LlamaConfig, LlamaForCausalLM
-from spec_decode.sampling import greedy_ids
+from spec_decode.sampling import greedy_ids, greedy_with_confidence
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -55,3 +55,8 @@ class DraftLM(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         return greedy_ids(self.compute_logits(hidden))
+
+    def drafts_with_confidence(self, hidden: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`greedy_tokens` and each draft's probability under the draft LM."""
+        return greedy_with_confidence(self.compute_logits(hidden))

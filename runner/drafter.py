@@ -20,6 +20,7 @@ import torch
 from runner.attention import AttentionBackend, AttentionMetadata
 from runner.buffers import StepBuffers
 from runner.config import kv_bytes_per_block
+from runner.draft_gate import ConfidenceGate
 from runner.draft_models import DraftLM, KVCache
 from runner.eagle3 import Eagle3Config, Eagle3Head, load_eagle3, trained_head_dir
 from runner.invariant import check_filled
@@ -136,6 +137,11 @@ class DraftNet(Protocol):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def drafts_with_confidence(self, hidden: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`greedy_tokens` and each draft's probability under the net ([N] fp32)."""
+        ...
+
     def __call__(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[KVCache], meta: AttentionMetadata,
                  attn: AttentionBackend) -> torch.Tensor: ...
@@ -152,8 +158,11 @@ class ModelDrafter:
 
     def __init__(self, spec: SpeculativeConfig, net: DraftNet, target: LlamaForCausalLM,
                  buffers: StepBuffers, states: RequestStates, block_size: int,
-                 attn: AttentionBackend, max_num_batched_tokens: int) -> None:
+                 attn: AttentionBackend, max_num_batched_tokens: int,
+                 min_confidence: float = 0.0) -> None:
         self.method = spec.spec_method
+        # Where a chain stops short of its k (runner/draft_gate.py); 0: never.
+        self.min_confidence = min_confidence
         self.parks = spec.parks
         self.net = net
         self.buffers, self.states, self.block_size, self.attn = buffers, states, block_size, attn
@@ -276,6 +285,7 @@ class ModelDrafter:
         if not any(rows for name, rows in planned.counts.items() if name != "target"):
             return drafts  # every request parked: no pass to fill (most steps under load)
         last_hidden: dict[int, torch.Tensor] = {}
+        gate = ConfidenceGate(self.min_confidence)
         passes = [fill_pass(rows, res, self.states.token_ids, self.mask_id)
                   for rows in planned.passes]
         for draft_pass in passes:
@@ -286,20 +296,23 @@ class ModelDrafter:
                 continue
             read = self._run(draft_pass, res, target_features)
             if read is not None:
-                tokens = self.net.greedy_tokens(read).tolist()
-                for req, token, h in zip(draft_pass.req_index[draft_pass.readout].tolist(),
-                                         tokens, read, strict=True):
+                reqs = draft_pass.req_index[draft_pass.readout].tolist()
+                tokens = gate.drafts(self.net, read, reqs)
+                for req, token, h in zip(reqs, tokens, read, strict=True):
                     drafts[req].append(token)
                     last_hidden[req] = h
         if self.method.sequential:
-            self._sequential(res, drafts, last_hidden)
+            self._sequential(res, drafts, last_hidden, gate)
         return drafts
 
     def _sequential(self, res: StepResult, drafts: dict[int, list[int]],
-                    last_hidden: dict[int, torch.Tensor]) -> None:
-        """k - 1 one-row steps: each drafting request feeds its newest draft back."""
+                    last_hidden: dict[int, torch.Tensor], gate: ConfidenceGate) -> None:
+        """Up to k - 1 one-row steps: each drafting request feeds its newest draft
+        back, while the gate lets its chain go on."""
         for j in range(1, int(res.num_draft_tokens.max(initial=0))):
-            reqs = np.flatnonzero(res.num_draft_tokens > j)
+            reqs = gate.still_drafting(np.flatnonzero(res.num_draft_tokens > j))
+            if not len(reqs):
+                break  # every chain stopped: the passes left are not run
             positions = sequential_positions(self.method, res, j)[reqs]
             tokens = np.array([drafts[int(r)][-1] for r in reqs], dtype=np.int64)
             one_row = np.zeros(len(res.rows), dtype=np.int64)
@@ -312,7 +325,7 @@ class ModelDrafter:
             hidden = torch.stack([last_hidden[int(r)] for r in reqs])
             out = self._run(step, res, hidden, direct_hidden=True)
             assert out is not None
-            tokens_out = self.net.greedy_tokens(out).tolist()
+            tokens_out = gate.drafts(self.net, out, reqs.tolist())
             for i, r in enumerate(reqs.tolist()):
                 drafts[r].append(tokens_out[i])
                 last_hidden[r] = out[i]

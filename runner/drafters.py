@@ -24,7 +24,8 @@ import torch
 
 from runner.attention import AttentionBackend
 from runner.buffers import StepBuffers
-from runner.drafter import DraftNet, ModelDrafter, make_draft_lm, make_head
+from runner.draft_gate import min_draft_confidence
+from runner.drafter import RANDOM_HEAD, DraftNet, ModelDrafter, make_draft_lm, make_head
 from runner.models.llama import LlamaForCausalLM
 from runner.request_states import RequestStates
 from spec_decode import SpecMethod, SpeculativeConfig
@@ -145,17 +146,21 @@ def _lookup(spec: SpeculativeConfig, ctx: DraftContext) -> Drafter:
     return TokenDrafter(spec.spec_method.make_proposer(spec), ctx.states)
 
 
-def _model(spec: SpeculativeConfig, net: DraftNet, ctx: DraftContext) -> Drafter:
+def _model(spec: SpeculativeConfig, net: DraftNet, ctx: DraftContext, trained: bool
+           ) -> Drafter:
+    threshold = min_draft_confidence(spec.options, spec.spec_method.sequential, trained)
     return ModelDrafter(spec, net, ctx.target, ctx.buffers, ctx.states, ctx.block_size,
-                        ctx.attn, ctx.max_num_batched_tokens)
+                        ctx.attn, ctx.max_num_batched_tokens, threshold)
 
 
 def _head(spec: SpeculativeConfig, ctx: DraftContext) -> Drafter:
-    return _model(spec, make_head(spec, ctx.target, ctx.target_path), ctx)
+    return _model(spec, make_head(spec, ctx.target, ctx.target_path), ctx,
+                  trained=spec.model != RANDOM_HEAD)
 
 
 def _lm(spec: SpeculativeConfig, ctx: DraftContext) -> Drafter:
-    return _model(spec, make_draft_lm(spec, ctx.target), ctx)
+    # A draft LM's threshold is not measured here: chains drawn to k unless asked.
+    return _model(spec, make_draft_lm(spec, ctx.target), ctx, trained=False)
 
 
 # Drafter kind (`SpecMethod.drafter`) -> the factory that builds it. A new kind is one

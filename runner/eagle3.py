@@ -43,7 +43,7 @@ from runner.models.llama import (
 )
 from spec_decode.measured import MeasuredAcceptance
 from spec_decode.passes import MASK_ROW
-from spec_decode.sampling import greedy_ids
+from spec_decode.sampling import greedy_ids, greedy_with_confidence
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -251,6 +251,13 @@ class Eagle3Head(nn.Module):
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target token ids of the greedy drafts at these rows."""
         return self.to_target_ids(greedy_ids(self.compute_logits(hidden)))
+
+    def drafts_with_confidence(self, hidden: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`greedy_tokens` and each draft's probability under the head's distribution
+        over its draft vocabulary."""
+        ids, confidence = greedy_with_confidence(self.compute_logits(hidden))
+        return self.to_target_ids(ids), confidence
 
 
 def save_eagle3(head: Eagle3Head, out_dir: Path, extra: dict[str, Any] | None = None) -> None:

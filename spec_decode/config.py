@@ -37,6 +37,10 @@ class SpeculativeConfig:
     catches up when it drafts again (`SpecMethod.parks`), so a step where nobody drafts
     costs what speculation off costs. Off: the drafter follows every chunk (what a
     rule that does not charge the drafter's passes needs: benchmarks' vLLM rules).
+
+    `options["min_draft_confidence"]` (chain methods: eagle, mtp, draft_model): a
+    request stops drafting once the product of its drafts' probabilities falls below
+    it, short of its k (runner/draft_gate.py; a trained head's default 0.25, else 0).
     """
 
     method: str
@@ -75,6 +79,7 @@ class SpeculativeConfig:
                 f"SpeculativeConfig.draft_policy={self.draft_policy!r} is not supported; "
                 f"choose one of {', '.join(DRAFT_POLICIES)}"
             )
+        _check_confidence(self.options)
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "SpeculativeConfig needs 1 <= prompt_lookup_min <= prompt_lookup_max "
@@ -110,6 +115,17 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config has unknown keys {unknown} for method "
                              f"{config.method!r}; known: {sorted(_FIELDS) + list(allowed)}")
         return config
+
+
+def _check_confidence(options: dict[str, Any]) -> None:
+    """`min_draft_confidence` (a chain method's option, runner/draft_gate.py): a
+    probability, where given."""
+    value = options.get("min_draft_confidence")
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+        raise ValueError("speculative_config.min_draft_confidence must be a number in "
+                         f"[0, 1] (0: every chain drafts its k), got {value!r}")
 
 
 def min_decode_rows(config: SpeculativeConfig) -> dict[str, int]:

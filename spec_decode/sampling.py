@@ -29,6 +29,13 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     return torch.max(logits, dim=-1).indices
 
 
+def greedy_with_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`greedy_ids` and each pick's probability under the softmax of its row ([N] fp32):
+    how sure a drafter is of its draft (what `min_draft_confidence` compares)."""
+    values, ids = torch.max(logits, dim=-1)
+    return ids, torch.exp(values.float() - torch.logsumexp(logits.float(), dim=-1))
+
+
 def position_seed(seed: int, position: int) -> int:
     """The seed of one request's random draws at one token position (splitmix64 of
     both, so all 64 bits of the request's seed count).

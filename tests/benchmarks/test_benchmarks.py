@@ -642,3 +642,20 @@ def test_draft_starts_quick(tmp_path: Path) -> None:
     assert report["served_first_equals_teacher_forced"] == 1.0
     assert report["served_first_accepted"] == report["teacher_forced_first_at_draft_starts"]
     assert 0.0 <= report["teacher_forced_first_at_every_position"] <= 1.0
+
+
+@pytest.mark.model
+def test_draft_confidence_quick(tmp_path: Path) -> None:
+    """An untrained head is never confident: at threshold 0.5 every chain stops after
+    its first draft, at 0 it runs to K; both lossless, the JSON the report."""
+    from benchmarks import draft_confidence
+
+    report = draft_confidence.main(["--quick", "--head", "random", "--thresholds", "0,0.5",
+                                    "--policies", "fixed", "--k", "3",
+                                    "--out", str(tmp_path / "c.json")])
+    assert json.loads((tmp_path / "c.json").read_text()) == report
+    rows = report["results"]["fixed"]
+    assert rows["0.0"]["lossless"] and rows["0.5"]["lossless"]
+    assert sum(rows["0.0"]["drafted_per_position"][1:]) > 0
+    assert rows["0.5"]["drafted_per_position"][0] > 0
+    assert sum(rows["0.5"]["drafted_per_position"][1:]) == 0

@@ -104,6 +104,10 @@ SPEC = "--speculative-config"
     ([SPEC, '{"method": "ngram", "num_speculative_tokens": "3"}'], "must be an integer"),
     ([SPEC, '{"method": "ngram", "num_speculative_tokens": true}'], "must be an integer"),
     ([SPEC, '{"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}'], "unknown keys"),
+    ([SPEC, '{"method": "eagle", "num_speculative_tokens": 2, "min_draft_confidence": 1.5}'],
+     "min_draft_confidence must be a number in [0, 1]"),
+    ([SPEC, '{"method": "parallel", "num_speculative_tokens": 2, '
+            '"min_draft_confidence": 0.2}'], "unknown keys ['min_draft_confidence']"),
     (["--max-tokens", "0"], "--max-tokens must be"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--temperature", "nan"], "--temperature must be a finite number"),

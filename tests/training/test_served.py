@@ -15,8 +15,10 @@ from runner.eagle3 import measured_acceptance
 
 
 def fake_rounds(head_dir: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
-    """Each round returns off and one configuration (10 and 14 tok/s); the policy of
-    that configuration and the prior a head loaded then would have, per round."""
+    """Each round returns off (10 tok/s) and its configurations: 14 tok/s, 15 for one
+    with the trained head's default confidence gate (no `min_draft_confidence` given)
+    after one with the gate off; the policy of the first configuration and the prior
+    a head loaded then would have, per round."""
     seen: list[tuple[str, Any]] = []
 
     def one_round(model: object, specs: list[dict[str, Any] | None], prompts: list[str],
@@ -27,9 +29,11 @@ def fake_rounds(head_dir: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple[s
                "drafts": 0}
         on = {"tokens_per_s": 14.0, "outputs": [[1, 2]], "drafted": [40, 20],
               "accepted": [20, 5], "drafts": 40}
-        return [off, on]
+        gated = {**on, "tokens_per_s": 15.0, "drafted": [40, 10]}
+        return [off, *(gated if "min_draft_confidence" not in spec and len(specs) == 3
+                       else on for spec in specs[1:])]
 
-    monkeypatch.setattr(served, "_round", one_round)
+    monkeypatch.setattr(served, "side_by_side", one_round)
     return seen
 
 
@@ -49,3 +53,17 @@ def test_the_default_policy_runs_with_the_served_acceptance_as_its_prior(
     kept = json.loads((tmp_path / "metrics.json").read_text())
     assert kept["method"] == "dflash"  # the rest of the file is kept
     assert kept["served"]["acceptance_per_position"] == [0.5, 0.25]
+
+
+def test_a_chain_method_measures_acceptance_with_every_chain_drawn_to_k(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eagle's fixed runs: its acceptance from the run with the confidence gate off (the
+    head's own figure, and the prior its goodput policy reads, which counts every
+    verification as drafting K), its tok/s as the engine serves it, gate on."""
+    seen = fake_rounds(tmp_path, monkeypatch)
+    got = served.served_figures(None, tmp_path, "eagle", 2, num_prompts=2)  # type: ignore[arg-type]
+    assert [policy for policy, _ in seen] == ["fixed", "goodput"]
+    assert got["acceptance_per_position"] == [0.5, 0.25]  # not the gated run's 0.5, 0.5
+    assert got["speedup_vs_off"] == 1.5 and got["speedup_vs_off_every_chain_to_k"] == 1.4
+    assert got["min_draft_confidence"] > 0
+    assert got["speedup_vs_off_default_policy"] == 1.4
