@@ -63,6 +63,7 @@ class EngineCore:
                                    goodput=GoodputSettings(
                                        prior_acceptance=measured.rates,
                                        prior_evidence=measured.verifications,
+                                       prior_proposals=measured.proposal_rates,
                                        step_prior=prior)
                                    if measured else GoodputSettings(step_prior=prior))
         self._check_kv_holds_one_request(num_blocks)

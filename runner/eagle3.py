@@ -319,22 +319,25 @@ def measured_acceptance(path: Path) -> MeasuredAcceptance | None:
     left out), with the verifications of one round of those prompts behind it, else
     its held-out agreement (`config.json`'s "specbudget"; no verification behind it),
     else None (a head from elsewhere). The goodput policy starts from it instead of a
-    generic prior."""
+    generic prior; with it, how often the head's gated chains reached each draft
+    (`proposal_rates`, where served with a confidence gate)."""
     try:
         served = json.loads((path / "metrics.json").read_text()).get("served") or {}
         reached = [float(a) for a in served.get("acceptance_per_position", [])]
         # Every verification at K drafts; later rounds serve the same prompts again.
         per_round = max(int(served.get("k", 1)), 1) * max(int(served.get("rounds", 1)), 1)
         verifications = int(float(served.get("draft_tokens", 0)) / per_round)
+        proposals = tuple(min(max(float(p), 0.0), 1.0)
+                          for p in served.get("proposal_rates", []))
     except (OSError, ValueError, AttributeError, TypeError):
-        reached, verifications = [], 0
+        reached, verifications, proposals = [], 0, ()
     if reached and reached[0] > 0:
         chain = [1.0, *reached]
         # Each position's share of those that reached it, while enough did (a rate
         # from a few dozen drafts says little).
         rates = [b / a for a, b in pairwise(chain) if a >= 0.05]
         return MeasuredAcceptance(tuple(min(max(r, 0.0), 1.0) for r in rates),
-                                  max(verifications, 0))
+                                  max(verifications, 0), proposals)
     try:
         trained = json.loads((path / "config.json").read_text())["specbudget"]["trained"]
         agreement = [float(a) for a in trained["held_out_agreement_per_step"]]

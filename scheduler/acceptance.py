@@ -307,13 +307,18 @@ class ProposalRates:
     in 63 %; a model drafter always proposes what it is allowed). The acceptance rates
     are per draft proposed, so a request's expected accepted drafts per step at k are
     these rates times the acceptance gains. Counted with the estimates' decay, behind
-    one allowed draft proposed per position, so with nothing seen (or a model drafter)
-    the rates are exactly 1."""
+    one allowed draft proposed per position, so with nothing seen (or a model drafter
+    without a confidence gate) the rates are exactly 1; or behind `weight` observations
+    at a measured `prior` (a gated chain drafter's; the last repeated): a position the
+    policy rarely allows is then priced at what was measured, not at 1."""
 
-    def __init__(self, max_k: int, decay: float) -> None:
+    def __init__(self, max_k: int, decay: float, prior: tuple[float, ...] = (),
+                 weight: float = 1.0) -> None:
         self.decay = decay
-        self.allowed = np.ones(max_k)
-        self.proposed = np.ones(max_k)
+        self.allowed = np.full(max_k, weight if prior else 1.0)
+        rates = np.array((tuple(prior) + tuple(prior[-1:]) * max_k)[:max_k]) if prior \
+            else np.ones(max_k)
+        self.proposed = self.allowed * rates
 
     @property
     def rates(self) -> np.ndarray:

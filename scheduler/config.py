@@ -83,6 +83,11 @@ class GoodputSettings:
     # optimism (`explore`), not in the rates, which still yield to this workload's
     # own verifications after `prior_weight` of them.
     prior_evidence: float = 0.0
+    # The chance a chain drafter allowed j drafts proposes its j-th, per position j,
+    # before any step is seen: a trained head's, measured with its confidence gate
+    # (runner/draft_gate.py) when it was trained; empty: every allowed draft proposed.
+    # Behind `prior_weight` pseudo-observations, as the acceptance prior.
+    prior_proposals: tuple[float, ...] = ()
     # A request's own history counts after this many verifications, until
     # `spread_min_requests` have finished; then the spread of finished requests' own
     # acceptance sets it, within [1, max_request_weight]. None: the figure measured for
@@ -217,6 +222,9 @@ class GoodputSettings:
         if not values or not all(0.0 <= v <= 1.0 for v in values):
             raise ValueError(f"GoodputSettings.prior_acceptance must be one or more "
                              f"acceptance rates in [0, 1], got {self.prior_acceptance!r}")
+        if not all(0.0 <= float(v) <= 1.0 for v in self.prior_proposals):
+            raise ValueError(f"GoodputSettings.prior_proposals must be rates in [0, 1], "
+                             f"got {self.prior_proposals!r}")
         if not self.prior_evidence >= 0.0:
             raise ValueError(f"GoodputSettings.prior_evidence must be >= 0 "
                              f"verifications, got {self.prior_evidence!r}")

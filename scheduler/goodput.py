@@ -40,6 +40,8 @@ request's rates over the rest of its answer (`_long_run_gains`), while at least
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from scheduler.acceptance import AcceptanceEstimates, ForecastCheck, ProposalRates
@@ -65,7 +67,9 @@ class GoodputPolicy:
         kind = rule.method.drafter if rule.method is not None else None
         self.acceptance = AcceptanceEstimates(rule.max_k, self.settings, kind)
         self.check = ForecastCheck(self.settings)
-        self.proposals = ProposalRates(rule.max_k, self.settings.decay)
+        self.proposals = ProposalRates(rule.max_k, self.settings.decay,
+                                       self.settings.prior_proposals,
+                                       self.settings.prior_weight)
         self.time_model = time_model or StepTimeModel(kind, self.settings)
         self.search = PrefixSearch(self.costs, self.time_model, max_num_batched_tokens,
                                    self.settings.exhaustive_prefixes)
@@ -369,7 +373,8 @@ class GoodputPolicy:
         num = len(gains)
         settings = self.settings
         plan, margin = finish_caps(gains, np.full(num, self.max_k), remaining, catch_up,
-                                   self.costs, self.time_model, self.budget,
+                                   self.costs.with_reach(self.proposals.rates, num),
+                                   self.time_model, self.budget,
                                    settings.finish_min_gain)
         idle = not plan.any() and self.time_model.settled
         self._keep(margin, num, planned=True, at_least=settings.reuse_steps - 1 if idle else 0)
@@ -416,9 +421,14 @@ class GoodputPolicy:
         fixed K = 1's tokens; this alone did not close that gap, README). Also, where
         no draft is worth it at any depth, by how much the best prefix falls short."""
         drafts = SortedDrafts.of(gains)
-        found = (self.search.best_by_depth(drafts, num_sampling, catch_up, self.max_k)
+        search = self.search
+        if self.costs.sequential:
+            costs = self.costs.with_reach(self.proposals.rates, num_sampling)
+            if costs is not self.costs:
+                search = replace(search, costs=costs)
+        found = (search.best_by_depth(drafts, num_sampling, catch_up, self.max_k)
                  if self.costs.sequential
-                 else [self.search.best(drafts, num_sampling, catch_up)])
+                 else [search.best(drafts, num_sampling, catch_up)])
         depths = range(1, self.max_k + 1) if self.costs.sequential else (self.max_k,)
         best: Best | None = None
         best_depth, shortfall = self.max_k, np.inf
@@ -429,6 +439,12 @@ class GoodputPolicy:
         if best is not None:
             return best.threshold, best.price, 0.0, best_depth
         return np.inf, np.inf, (shortfall if shortfall < np.inf else 0.0), self.max_k
+
+    def chain_steps(self, deepest: int, num_sampling: int) -> float:
+        """A chain drafter's one-row steps expected of a step whose deepest request is
+        allowed `deepest` drafts (`DraftCosts.with_reach`)."""
+        costs = self.costs.with_reach(self.proposals.rates, num_sampling)
+        return float(costs.one_row_steps(np.array([deepest]))[0])
 
     def observe_proposals(self, allowed: list[int], proposed: list[int]) -> None:
         """A step's requests that were allowed drafts: how many each was allowed, and

@@ -11,7 +11,7 @@ cost table.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -157,7 +157,7 @@ class StepTimeModel:
         self._cov: np.ndarray | None = None  # of the sums, in units of noise_var (`cov`)
         self._fit_cov = np.linalg.inv(self.prior_precision)  # ... as last fitted
         # predict_one's last (rows, fit, price): a fit is replaced, never edited in place.
-        self._last_price: tuple[tuple[int, int, int, int], np.ndarray, float] | None = None
+        self._last_price: tuple[tuple[int, int, int, float], np.ndarray, float] | None = None
         self.noise_var = 1e-6  # of one step's time around the fit (s^2): ~1 ms to start
         self.forgetting = settings.forgetting
         # Observed steps wait here (target, logits, drafter, passes, seconds, whether
@@ -195,21 +195,21 @@ class StepTimeModel:
         return x
 
     @staticmethod
-    def features_one(target: int, logits: int, drafter: int, passes: int) -> np.ndarray:
+    def features_one(target: int, logits: int, drafter: int, passes: float) -> np.ndarray:
         """`features` of one step, without numpy's per-call cost on eleven tiny columns."""
         return np.array([1.0, target - logits, logits,
                          *(max(logits - knot, 0) for knot in KNOTS), passes, drafter,
                          *(max(drafter - knot, 0) for knot in KNOTS)], dtype=float)
 
     def predict(self, target: np.ndarray | int, logits: np.ndarray | int,
-                drafter: np.ndarray | int, passes: np.ndarray | int) -> np.ndarray:
+                drafter: np.ndarray | int, passes: np.ndarray | float) -> np.ndarray:
         """Seconds (>= 1 microsecond) for each (target, logit, drafter rows, drafter
         passes) count."""
         return np.maximum(self.features(np.asarray(target), np.asarray(logits),
                                         np.asarray(drafter), np.asarray(passes))
                           @ self.theta, 1e-6)
 
-    def predict_one(self, target: int, logits: int, drafter: int, passes: int) -> float:
+    def predict_one(self, target: int, logits: int, drafter: int, passes: float) -> float:
         """`predict` for one step, by the fit as it stood when the policy last planned
         with it (no refit: this prices every step for the metrics, planned or held)."""
         key = (target, logits, drafter, passes)
@@ -388,6 +388,9 @@ class DraftCosts:
     passes_base: int = 0
     passes_drafting: int = 0
     sequential: bool = False
+    # [K + 1] a sequential method's one-row steps expected of a step whose deepest
+    # request is allowed d drafts (`with_reach`); None: d - 1, every chain drawn to d.
+    chain_steps: np.ndarray | None = None
 
     @classmethod
     def for_rule(cls, rule: ThrottleRule) -> DraftCosts:
@@ -417,4 +420,23 @@ class DraftCosts:
         `deepest` (0: none drafts): the base passes, the drafting ones once any drafts,
         and for a sequential method a one-row step per draft past the first."""
         got = self.passes_base + self.passes_drafting * (deepest > 0)
-        return got + np.maximum(deepest - 1, 0) if self.sequential else got
+        return got + self.one_row_steps(deepest) if self.sequential else got
+
+    def one_row_steps(self, deepest: np.ndarray) -> np.ndarray:
+        """A sequential method's one-row steps where the deepest request is allowed
+        `deepest` drafts: one per draft past the first, or as many as its chains are
+        expected to reach (`with_reach`)."""
+        if self.chain_steps is not None:
+            return self.chain_steps[deepest]
+        return np.maximum(deepest - 1, 0)
+
+    def with_reach(self, reach: np.ndarray, num_sampling: int) -> DraftCosts:
+        """These costs where a chain allowed j drafts proposes its j-th with chance
+        `reach[j - 1]` ([K], `ProposalRates`: a gated chain drafter stops short,
+        runner/draft_gate.py): the one-row step of depth j runs when any of the
+        `num_sampling` chains reaches it. Itself where every chain is drawn whole."""
+        if not self.sequential or bool((reach >= 1.0).all()):
+            return self
+        runs = 1.0 - (1.0 - np.clip(reach[1:], 0.0, 1.0)) ** max(num_sampling, 1)
+        steps = np.concatenate([[0.0, 0.0], np.cumsum(runs)])
+        return replace(self, chain_steps=steps)

@@ -98,6 +98,8 @@ def served_figures(model: LlamaForCausalLM, head_dir: Path, method: str, k: int,
         *(side_by_side(model, specs, prompts, max_tokens) for _ in range(rounds)),
         strict=True))
     figures = _acceptance(on, k, len(prompts), max_tokens, rounds)
+    if gated:  # the goodput policy's prior of how far the gated chains go
+        figures["proposal_rates"] = proposal_rates(on, gated[0], k)
     record_served(head_dir, figures)
     off_default, default = (list(runs) for runs in zip(
         *(side_by_side(model, [None, {**spec, "draft_policy": default_policy}], prompts,
@@ -126,6 +128,19 @@ def _speedup(off: list[dict[str, Any]], runs: list[dict[str, Any]]) -> float:
     """The median over rounds of each run's tok/s over the off run beside it."""
     return round(statistics.median(b["tokens_per_s"] / a["tokens_per_s"]
                                    for a, b in zip(off, runs, strict=True)), 3)
+
+
+def proposal_rates(whole: list[dict[str, Any]], gated: list[dict[str, Any]], k: int
+                   ) -> list[float]:
+    """How often a gated chain allowed j drafts proposed its j-th, per position: the
+    gated runs' drafts at j per first draft, over the same share where every chain
+    was drawn to K (which counts the rule's own cuts near `max_tokens`)."""
+    def share(runs: list[dict[str, Any]]) -> list[float]:
+        made = [sum(r["drafted"][i] for r in runs if i < len(r["drafted"])) for i in range(k)]
+        return [m / made[0] if made[0] else 0.0 for m in made]
+
+    return [round(min(g / w, 1.0), 4) if w else 0.0
+            for g, w in zip(share(gated), share(whole), strict=True)]
 
 
 def _acceptance(on: list[dict[str, Any]], k: int, prompts: int, max_tokens: int,

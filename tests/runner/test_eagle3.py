@@ -102,9 +102,9 @@ def test_measured_acceptance_comes_from_the_head_dir(tmp_path: Path) -> None:
     assert measured_acceptance(head) is None
     (head / "config.json").write_text(json.dumps(
         {"specbudget": {"trained": {"held_out_agreement_per_step": [0.33, 0.28]}}}))
-    assert measured_acceptance(head) == ((0.33, 0.28), 0)  # no verification behind it
+    assert measured_acceptance(head) == ((0.33, 0.28), 0, ())  # no verification behind it
     (head / "metrics.json").write_text("{not json")
-    assert measured_acceptance(head) == ((0.33, 0.28), 0)
+    assert measured_acceptance(head) == ((0.33, 0.28), 0, ())
     (head / "metrics.json").write_text(json.dumps(
         {"served": {"acceptance_per_position": [0.4, 0.2, 0.04, 0.01], "k": 4,
                     "rounds": 2, "draft_tokens": 2524}}))
@@ -112,6 +112,11 @@ def test_measured_acceptance_comes_from_the_head_dir(tmp_path: Path) -> None:
     assert got is not None
     assert got.rates == pytest.approx((0.4, 0.5, 0.2))
     assert got.verifications == 2524 // (4 * 2)  # one round's: the rounds repeat prompts
+    assert got.proposal_rates == ()  # served without a gate: every chain to K
+    (head / "metrics.json").write_text(json.dumps(
+        {"served": {"acceptance_per_position": [0.4, 0.2], "k": 2, "draft_tokens": 20,
+                    "proposal_rates": [1.0, 0.4]}}))
+    assert measured_acceptance(head).proposal_rates == (1.0, 0.4)  # type: ignore[union-attr]
 
 
 def test_engine_hands_the_heads_measured_acceptance_to_the_scheduler(
@@ -121,23 +126,25 @@ def test_engine_hands_the_heads_measured_acceptance_to_the_scheduler(
     write_published_layout(tmp_path / "head", model, [2, 15, 27])
     spec = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
 
-    def prior() -> tuple[list[float], float]:
+    def prior() -> tuple[list[float], float, list[float]]:
         llm = LLM(loaded_model=model, num_kv_blocks=16, max_model_len=128,
                   speculative_config=spec)
         policy = llm.engine.scheduler.policy  # type: ignore[union-attr]
         assert policy is not None
         assert policy.settings.step_prior == "cpu"  # the step-time prior by device
-        return policy.acceptance.pooled_rates().tolist(), policy.settings.prior_evidence
+        return (policy.acceptance.pooled_rates().tolist(), policy.settings.prior_evidence,
+                policy.proposals.rates.tolist())
 
-    rates, evidence = prior()
+    rates, evidence, reach = prior()
     assert rates == pytest.approx([GoodputSettings().prior_acceptance] * 3)
-    assert evidence == 0
+    assert evidence == 0 and reach == [1.0] * 3
     (tmp_path / "head" / "metrics.json").write_text(json.dumps(
         {"served": {"acceptance_per_position": [0.3, 0.15, 0.06], "k": 3, "rounds": 1,
-                    "draft_tokens": 600}}))
-    rates, evidence = prior()
+                    "draft_tokens": 600, "proposal_rates": [1.0, 0.6, 0.3]}}))
+    rates, evidence, reach = prior()
     assert rates == pytest.approx([0.3, 0.5, 0.4])
     assert evidence == 200
+    assert reach == pytest.approx([1.0, 0.6, 0.3])  # how far its gated chains went
 
 
 def test_head_for_another_target_is_refused(model: LlamaForCausalLM, tmp_path: Path) -> None:

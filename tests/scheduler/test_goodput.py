@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 
 from engine.simulate import synthetic_step_time
 from runner.simulated import SimulatedRunner
-from scheduler.acceptance import AcceptanceEstimates, ForecastCheck, reaching_by_state, span_of
+from scheduler.acceptance import (
+    AcceptanceEstimates,
+    ForecastCheck,
+    ProposalRates,
+    reaching_by_state,
+    span_of,
+)
 from scheduler.budget import ThrottleRule
 from scheduler.config import GoodputSettings
 from scheduler.goodput import GoodputPolicy
@@ -536,6 +542,56 @@ def test_draft_costs_count_the_drafter_passes() -> None:
     assert ngram.passes(3, added).tolist() == [0] * 6
 
 
+def test_a_gated_chains_one_row_steps_are_priced_by_how_far_chains_go() -> None:
+    """Where a chain allowed j drafts proposes its j-th with chance reach[j - 1] (a
+    confidence gate stops it short), the one-row step of depth j runs when any sampling
+    chain reaches it: at one request 0.5 and 0.25, at two 0.75 and 0.4375. Chains drawn
+    whole keep the count of the cost table; a method without one-row steps has none."""
+    eagle = DraftCosts.for_rule(ThrottleRule(get_method("eagle"), 3, 4096))
+    assert eagle.with_reach(np.ones(3), 1) is eagle
+    deepest = np.array([0, 1, 2, 3])
+    one = eagle.with_reach(np.array([1.0, 0.5, 0.25]), 1)
+    assert one.passes_at_depth(deepest).tolist() == pytest.approx([0, 1, 1.5, 1.75])
+    assert one.one_row_steps(deepest).tolist() == pytest.approx([0, 0, 0.5, 0.75])
+    two = eagle.with_reach(np.array([1.0, 0.5, 0.25]), 2)
+    assert two.one_row_steps(deepest).tolist() == pytest.approx([0, 0, 0.75, 1.1875])
+    assert eagle.passes_at_depth(deepest).tolist() == [0, 1, 2, 3]
+    dflash = DraftCosts.for_rule(ThrottleRule(get_method("dflash"), 3, 4096))
+    assert dflash.with_reach(np.array([1.0, 0.5, 0.25]), 1) is dflash
+
+
+def test_proposal_rates_start_at_a_measured_prior() -> None:
+    """A gated head's measured reach, the last repeated, behind `weight` observations;
+    chains then seen drawn whole move it toward 1."""
+    rates = ProposalRates(4, decay=1.0, prior=(1.0, 0.5, 0.2), weight=8.0)
+    assert rates.rates.tolist() == pytest.approx([1.0, 0.5, 0.2, 0.2])
+    rates.record([4] * 8, [4] * 8)
+    assert rates.rates.tolist() == pytest.approx([1.0, 0.75, 0.6, 0.6])
+    assert ProposalRates(2, decay=1.0).rates.tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="prior_proposals must be rates in"):
+        GoodputSettings(prior_proposals=(1.0, 1.5))
+
+
+def test_a_gated_chain_drafts_deeper_where_its_steps_are_dear() -> None:
+    """One request, eagle, a one-row step 8 ms on a 20 ms step, drafts accepted 0.45
+    then 0.5 of the time: drawn whole, a third draft (0.11 tokens) does not pay for
+    its step; where chains reach their third draft a fifth of the time (a confidence
+    gate), the step is priced at a fifth and the third draft is allowed."""
+    def draw(rng: np.random.Generator) -> tuple[int, int, int, int]:
+        k = int(rng.integers(0, K + 1))
+        return 1 + k, 1 + k, 1 + k, int(k > 0) + max(k - 1, 0)
+
+    def cap(prior: tuple[float, ...]) -> int:
+        gp = taught_pass_clock("eagle", draw, seed=2, noise=0.0002)
+        gp.proposals = ProposalRates(K, 1.0, prior, 1e6)
+        with_rates(gp, np.tile([0.45, 0.5, 0.5, 0.5], (NUM_OUTCOMES, 1)))
+        return int(gp.caps(history([100]), np.array([45]), np.array([ALL_ACCEPTED]),
+                           np.array([K]))[0])
+
+    whole, gated = cap(()), cap((1.0, 0.2, 0.2, 0.2))
+    assert whole <= 2 < gated
+
+
 def taught_pass_clock(method: str,
                       draw: Callable[[np.random.Generator], tuple[int, int, int, int]],
                       seed: int, noise: float) -> GoodputPolicy:
@@ -978,3 +1034,33 @@ def test_rates_by_state_are_each_states_rates_in_one_lookup() -> None:
                                                   np.zeros(num, dtype=int), produced)
         assert np.array_equal(table[:, state], own)
     assert not np.allclose(table[:, ALL_ACCEPTED], table[:, NONE_ACCEPTED])
+
+
+def test_the_time_model_is_fed_the_one_row_steps_the_chains_ran() -> None:
+    """A chain drafter may propose fewer drafts than allowed (a confidence gate): the
+    step is fitted with the one-row steps its longest chain really ran (none where
+    every chain stopped at one draft), not those the policy allowed (K - 1)."""
+    sched = make_scheduler("eagle", k=K, budget=256, draft_policy="goodput",
+                           max_model_len=512)
+    runner = SimulatedRunner(sched, acceptance=1.0, seed=1,
+                             step_time=synthetic_step_time(0.02, 0.0001))
+    assert sched.policy is not None
+    execute, observe = runner.execute, sched.policy.observe_step
+    seen: list[tuple[int, int]] = []
+
+    def one_draft(out):  # type: ignore[no-untyped-def]
+        result = execute(out)
+        result.draft_token_ids = {rid: d[:1] for rid, d in result.draft_token_ids.items()}
+        return result
+
+    def record(verified, accepted, states, rows, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append((rows[3], sched._drafter_passes))
+        return observe(verified, accepted, states, rows, *args, **kwargs)
+
+    runner.execute = one_draft  # type: ignore[method-assign]
+    sched.policy.observe_step = record  # type: ignore[method-assign]
+    sched.add_request(make_request("r", 6, max_tokens=30, ignore_eos=True))
+    drain(sched, runner)
+    priced_deep = [(fed, priced) for fed, priced in seen if priced > 1]
+    assert priced_deep  # the policy allowed chains past one draft
+    assert all(fed <= 1 for fed, _ in seen)  # one pass, no one-row step, ever ran

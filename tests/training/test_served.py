@@ -66,4 +66,8 @@ def test_a_chain_method_measures_acceptance_with_every_chain_drawn_to_k(
     assert got["acceptance_per_position"] == [0.5, 0.25]  # not the gated run's 0.5, 0.5
     assert got["speedup_vs_off"] == 1.5 and got["speedup_vs_off_every_chain_to_k"] == 1.4
     assert got["min_draft_confidence"] > 0
+    # Half the gated chains reached their second draft, where all the whole ones did.
+    assert got["proposal_rates"] == [1.0, 0.5]
+    kept = json.loads((tmp_path / "metrics.json").read_text())["served"]
+    assert kept["proposal_rates"] == [1.0, 0.5]  # recorded before the default policy ran
     assert got["speedup_vs_off_default_policy"] == 1.4
