@@ -31,10 +31,11 @@ CASES = [(52, 11), (52, 12), (52, 13), (MAX_LEN - 2, 100), (MAX_LEN - 1, 100),
 _reference: list[list[list[int]]] = []
 
 
-def generate(method: str | None) -> tuple[LLM, list[list[int]], list[str | None]]:
+def generate(method: str | None, **options: object
+             ) -> tuple[LLM, list[list[int]], list[str | None]]:
     """Every case at once, one request each (LLM.generate takes one SamplingParams for
     all its prompts; the core takes one per request)."""
-    spec = spec_dict(method, K)
+    spec = spec_dict(method, K, **options)
     llm = LLM(loaded_model=default_model(), speculative_config=spec, max_model_len=MAX_LEN,
               max_num_batched_tokens=64, num_kv_blocks=64)
     for i, (p, m) in enumerate(CASES):
@@ -69,6 +70,21 @@ def test_every_method_stops_exactly_at_the_limits(method: str | None) -> None:
     if method in ("ngram", "suffix"):
         # The pattern is drafted and accepted up to the boundary, not merely survived.
         assert llm.get_metrics()["spec_decode"]["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_a_gated_chain_stops_exactly_at_the_limits(method: str) -> None:
+    """A chain drafter's confidence gate (runner/draft_gate.py) at the limits: a random
+    head's drafts sit near 1 / 8192, so at this threshold some chains stop after one
+    draft and others go on to a second, never further (the product of two is far
+    below it); outputs, finishes and KV as speculation off."""
+    llm, tokens, reasons = generate(method, min_draft_confidence=1.25e-4,
+                                    draft_policy="fixed")
+    assert tokens == reference()
+    assert reasons == ["length"] * len(CASES)
+    assert llm.engine.scheduler.kv_cache_usage() == 0.0
+    drafted = llm.get_metrics()["spec_decode"]["num_draft_tokens_per_pos"]
+    assert 0 < drafted[1] < drafted[0] and sum(drafted[2:]) == 0, drafted
 
 
 def test_solo_runs_equal_the_batch() -> None:

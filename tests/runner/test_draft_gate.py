@@ -6,6 +6,7 @@ passes without changing a single output."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -89,6 +90,20 @@ def test_a_bad_threshold_is_refused_by_name(value: object) -> None:
         return
     with pytest.raises(ValueError, match=r"min_draft_confidence must be a number in \[0, 1\]"):
         SpeculativeConfig.from_dict(spec)
+
+
+def test_every_entry_point_refuses_a_bad_threshold_by_name() -> None:
+    """The offline `LLM` (before any model loads) and `specbudget serve`'s config, as
+    `SpeculativeConfig.from_dict` (the generate command: tests/specbudget/test_cli.py)."""
+    from engine.llm import LLM
+    from specbudget import cli
+
+    bad = {"method": "eagle", "num_speculative_tokens": 2, "min_draft_confidence": 2}
+    with pytest.raises(ValueError, match=r"min_draft_confidence must be a number in \[0, 1\]"):
+        LLM(speculative_config=bad)
+    args = cli._parser().parse_args(["serve", "--speculative-config", json.dumps(bad)])
+    with pytest.raises(ValueError, match=r"min_draft_confidence must be a number in \[0, 1\]"):
+        cli.engine_config_from_args(args)
 
 
 def test_only_chain_methods_take_a_threshold() -> None:
