@@ -19,10 +19,10 @@ import torch
 # Measured (`python benchmarks/draft_confidence.py --thresholds 0,0.1,0.2,0.25,0.3,0.4`,
 # eagle's trained head, 24 held-out prompts, K = 4, side by side with speculation off
 # on the 2-core Intel AMX machine; benchmarks/results/draft_confidence.json): at fixed
-# K = 4, 1.34x off with every chain drawn to K, 1.35 / 1.38 / 1.41 / 1.42 / 1.38x at
-# 0.1 / 0.2 / 0.25 / 0.3 / 0.4 (mean acceptance length 1.80 -> 1.79 ... 1.70: the
-# passes it skips held the drafts least often accepted); under the goodput policy,
-# which rarely lets a chain past two drafts here, 1.28-1.31x at every threshold. A
+# K = 4, 1.268x off with every chain drawn to K and 1.314 / 1.334 / 1.333 / 1.332 /
+# 1.328x at 0.1 / 0.2 / 0.25 / 0.3 / 0.4 (an earlier run: 1.340, then 1.353 / 1.375 /
+# 1.409 / 1.417 / 1.381x); mean acceptance length 1.80 -> 1.79 ... 1.70: the passes it
+# skips mostly sat behind a draft about to be rejected. 0.2-0.3 lead in both runs. A
 # random head's drafts are never confident (about 1 / 8192), so it keeps drawing to K
 # by default: layouts and benchmarks rely on its full chains.
 TRAINED_HEAD_MIN_CONFIDENCE = 0.25
