@@ -182,8 +182,13 @@ class ModelDrafter:
     @property
     def measured_acceptance(self) -> MeasuredAcceptance | None:
         """A trained head's acceptance per position as measured in training; None for a
-        draft LM or a head that came without it."""
-        return getattr(self.net, "measured_acceptance", None)
+        draft LM or a head that came without it. Its chains' reach only where it was
+        measured with the gate this drafter serves with (another threshold stops other
+        chains)."""
+        measured: MeasuredAcceptance | None = getattr(self.net, "measured_acceptance", None)
+        if measured is not None and measured.gate != self.min_confidence:
+            return measured._replace(proposal_rates=(), gate=self.min_confidence)
+        return measured
 
     def kv_bytes_per_block(self) -> int:
         cfg = self.net.config

@@ -329,15 +329,16 @@ def measured_acceptance(path: Path) -> MeasuredAcceptance | None:
         verifications = int(float(served.get("draft_tokens", 0)) / per_round)
         proposals = tuple(min(max(float(p), 0.0), 1.0)
                           for p in served.get("proposal_rates", []))
+        gate = float(served.get("min_draft_confidence", 0.0))
     except (OSError, ValueError, AttributeError, TypeError):
-        reached, verifications, proposals = [], 0, ()
+        reached, verifications, proposals, gate = [], 0, (), 0.0
     if reached and reached[0] > 0:
         chain = [1.0, *reached]
         # Each position's share of those that reached it, while enough did (a rate
         # from a few dozen drafts says little).
         rates = [b / a for a, b in pairwise(chain) if a >= 0.05]
         return MeasuredAcceptance(tuple(min(max(r, 0.0), 1.0) for r in rates),
-                                  max(verifications, 0), proposals)
+                                  max(verifications, 0), proposals, gate)
     try:
         trained = json.loads((path / "config.json").read_text())["specbudget"]["trained"]
         agreement = [float(a) for a in trained["held_out_agreement_per_step"]]

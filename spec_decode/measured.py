@@ -15,5 +15,7 @@ class MeasuredAcceptance(NamedTuple):
     rates: tuple[float, ...]
     verifications: int = 0
     # A gated chain drafter's chance of proposing its j-th draft where allowed j
-    # (runner/draft_gate.py), measured with the gate it serves with; empty: all.
+    # (runner/draft_gate.py), measured with the gate at `gate` (`min_draft_confidence`);
+    # empty: every allowed draft proposed.
     proposal_rates: tuple[float, ...] = ()
+    gate: float = 0.0

@@ -98,8 +98,9 @@ def served_figures(model: LlamaForCausalLM, head_dir: Path, method: str, k: int,
         *(side_by_side(model, specs, prompts, max_tokens) for _ in range(rounds)),
         strict=True))
     figures = _acceptance(on, k, len(prompts), max_tokens, rounds)
-    if gated:  # the goodput policy's prior of how far the gated chains go
+    if gated:  # the goodput policy's prior of how far chains go at this gate
         figures["proposal_rates"] = proposal_rates(on, gated[0], k)
+        figures["min_draft_confidence"] = TRAINED_HEAD_MIN_CONFIDENCE
     record_served(head_dir, figures)
     off_default, default = (list(runs) for runs in zip(
         *(side_by_side(model, [None, {**spec, "draft_policy": default_policy}], prompts,
@@ -112,8 +113,7 @@ def served_figures(model: LlamaForCausalLM, head_dir: Path, method: str, k: int,
         # Fixed K as the engine serves it (a chain method: with its default gate).
         "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in served), 2),
         "speedup_vs_off": _speedup(off, served),
-        **({"min_draft_confidence": TRAINED_HEAD_MIN_CONFIDENCE,
-            "speedup_vs_off_every_chain_to_k": _speedup(off, on)} if gated else {}),
+        **({"speedup_vs_off_every_chain_to_k": _speedup(off, on)} if gated else {}),
         # The same head under the engine's default policy, K its most.
         "default_policy": default_policy,
         "tokens_per_s_default_policy": round(statistics.median(

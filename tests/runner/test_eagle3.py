@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.llm import LLM
+from runner.draft_gate import TRAINED_HEAD_MIN_CONFIDENCE
 from runner.eagle3 import default_aux_layers, load_eagle3, measured_acceptance
 from runner.models.llama import LlamaForCausalLM
 from scheduler import SamplingParams
@@ -102,9 +103,9 @@ def test_measured_acceptance_comes_from_the_head_dir(tmp_path: Path) -> None:
     assert measured_acceptance(head) is None
     (head / "config.json").write_text(json.dumps(
         {"specbudget": {"trained": {"held_out_agreement_per_step": [0.33, 0.28]}}}))
-    assert measured_acceptance(head) == ((0.33, 0.28), 0, ())  # no verification behind it
+    assert measured_acceptance(head) == ((0.33, 0.28), 0, (), 0.0)  # no verification behind it
     (head / "metrics.json").write_text("{not json")
-    assert measured_acceptance(head) == ((0.33, 0.28), 0, ())
+    assert measured_acceptance(head) == ((0.33, 0.28), 0, (), 0.0)
     (head / "metrics.json").write_text(json.dumps(
         {"served": {"acceptance_per_position": [0.4, 0.2, 0.04, 0.01], "k": 4,
                     "rounds": 2, "draft_tokens": 2524}}))
@@ -126,9 +127,9 @@ def test_engine_hands_the_heads_measured_acceptance_to_the_scheduler(
     write_published_layout(tmp_path / "head", model, [2, 15, 27])
     spec = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
 
-    def prior() -> tuple[list[float], float, list[float]]:
+    def prior(**options: float) -> tuple[list[float], float, list[float]]:
         llm = LLM(loaded_model=model, num_kv_blocks=16, max_model_len=128,
-                  speculative_config=spec)
+                  speculative_config={**spec, **options})
         policy = llm.engine.scheduler.policy  # type: ignore[union-attr]
         assert policy is not None
         assert policy.settings.step_prior == "cpu"  # the step-time prior by device
@@ -140,11 +141,15 @@ def test_engine_hands_the_heads_measured_acceptance_to_the_scheduler(
     assert evidence == 0 and reach == [1.0] * 3
     (tmp_path / "head" / "metrics.json").write_text(json.dumps(
         {"served": {"acceptance_per_position": [0.3, 0.15, 0.06], "k": 3, "rounds": 1,
-                    "draft_tokens": 600, "proposal_rates": [1.0, 0.6, 0.3]}}))
+                    "draft_tokens": 600, "proposal_rates": [1.0, 0.6, 0.3],
+                    "min_draft_confidence": TRAINED_HEAD_MIN_CONFIDENCE}}))
     rates, evidence, reach = prior()
     assert rates == pytest.approx([0.3, 0.5, 0.4])
     assert evidence == 200
     assert reach == pytest.approx([1.0, 0.6, 0.3])  # how far its gated chains went
+    # Served at another threshold, the chains stop elsewhere: no reach prior.
+    assert prior(min_draft_confidence=0.0)[2] == [1.0] * 3
+    assert prior(min_draft_confidence=0.5)[2] == [1.0] * 3
 
 
 def test_head_for_another_target_is_refused(model: LlamaForCausalLM, tmp_path: Path) -> None:

@@ -70,4 +70,9 @@ def test_a_chain_method_measures_acceptance_with_every_chain_drawn_to_k(
     assert got["proposal_rates"] == [1.0, 0.5]
     kept = json.loads((tmp_path / "metrics.json").read_text())["served"]
     assert kept["proposal_rates"] == [1.0, 0.5]  # recorded before the default policy ran
+    # ... with the gate they were measured at, which the default policy's engine serves
+    # with: the prior it read had them.
+    assert kept["min_draft_confidence"] == got["min_draft_confidence"]
+    assert seen[1][1] is not None and seen[1][1].proposal_rates == (1.0, 0.5)
+    assert seen[1][1].gate == got["min_draft_confidence"]
     assert got["speedup_vs_off_default_policy"] == 1.4
