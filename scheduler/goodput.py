@@ -178,8 +178,8 @@ class GoodputPolicy:
         # every allowed draft were proposed, suffix's plans at 64 running drafted
         # the batch's tail and saved no step (`ProposalRates`, README). Not a gated
         # chain's: a chain whose drafts so far were accepted mostly goes on (eagle:
-        # 0.95 / 0.73 / 0.62 to its second / third / fourth draft, against 0.78 /
-        # 0.38 / 0.15 of all chains), so its gains stay per draft proposed, as in the
+        # about 0.95 / 0.73 / 0.62 to its second / third / fourth draft, against 0.78
+        # / 0.38 / 0.15 of all chains), so its gains stay per draft proposed, as in the
         # per-step search; its steps are priced by reach (`DraftCosts.with_reach`).
         proposed = gains if self.costs.sequential else gains * self.proposals.rates
         limit = np.minimum(limit, self._finish_plan(proposed[:num], remaining, catch_up))
