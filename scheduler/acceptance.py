@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from scheduler.config import GoodputSettings
+from scheduler.config import GoodputSettings, by_position
 from scheduler.request import FRESH, NUM_OUTCOMES
 from scheduler.request_spread import RequestSpread, prior_weight
 
@@ -316,8 +316,7 @@ class ProposalRates:
                  weight: float = 1.0) -> None:
         self.decay = decay
         self.allowed = np.full(max_k, weight if prior else 1.0)
-        rates = np.array((tuple(prior) + tuple(prior[-1:]) * max_k)[:max_k]) if prior \
-            else np.ones(max_k)
+        rates = np.array(by_position(prior, max_k)) if prior else np.ones(max_k)
         self.proposed = self.allowed * rates
 
     @property

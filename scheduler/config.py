@@ -67,6 +67,11 @@ class CacheConfig:
 STEP_PRIORS = ("cpu", "gpu")  # GoodputSettings.step_prior
 
 
+def by_position(values: tuple[float, ...], max_k: int) -> tuple[float, ...]:
+    """A prior's values for draft positions 1..max_k: the last repeated."""
+    return (tuple(values) + tuple(values[-1:]) * max_k)[:max_k]
+
+
 @dataclass(frozen=True)
 class GoodputSettings:
     """The policy's knobs; the defaults serve, tests pin them."""
@@ -257,5 +262,4 @@ class GoodputSettings:
 
     def prior_by_position(self, max_k: int) -> tuple[float, ...]:
         """`prior_acceptance` for draft positions 1..max_k (a tuple's last repeated)."""
-        values = self._prior_values()
-        return (values + values[-1:] * max_k)[:max_k]
+        return by_position(self._prior_values(), max_k)

@@ -136,18 +136,22 @@ def proposal_rates(whole: list[dict[str, Any]], gated: list[dict[str, Any]], k: 
     gated runs' drafts at j per first draft, over the same share where every chain
     was drawn to K (which counts the rule's own cuts near `max_tokens`)."""
     def share(runs: list[dict[str, Any]]) -> list[float]:
-        made = [sum(r["drafted"][i] for r in runs if i < len(r["drafted"])) for i in range(k)]
+        made = _per_position(runs, "drafted", k)
         return [m / made[0] if made[0] else 0.0 for m in made]
 
     return [round(min(g / w, 1.0), 4) if w else 0.0
             for g, w in zip(share(gated), share(whole), strict=True)]
 
 
+def _per_position(runs: list[dict[str, Any]], key: str, k: int) -> list[int]:
+    """The runs' `key` counts (drafts made or accepted) summed per position 1..k."""
+    return [sum(r[key][i] for r in runs if i < len(r[key])) for i in range(k)]
+
+
 def _acceptance(on: list[dict[str, Any]], k: int, prompts: int, max_tokens: int,
                 rounds: int) -> dict[str, Any]:
     """The fixed-K runs' acceptance figures, in the form `metrics.json` keeps."""
-    drafted = [sum(r["drafted"][i] for r in on if i < len(r["drafted"])) for i in range(k)]
-    accepted = [sum(r["accepted"][i] for r in on if i < len(r["accepted"])) for i in range(k)]
+    drafted, accepted = _per_position(on, "drafted", k), _per_position(on, "accepted", k)
     drafts = sum(r["drafts"] for r in on)
     return {
         "k": k, "prompts": prompts, "max_tokens": max_tokens, "rounds": rounds,
