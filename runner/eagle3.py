@@ -2,13 +2,15 @@
 
 The head reads three of the target's hidden states per position (the inputs of a low,
 a middle and a high layer, `aux_layer_ids`), concatenated and projected by `fc` to
-one hidden state, and the embedding of the next token. Its one decoder layer
+one hidden state, and the embedding of the next token. Its first decoder layer
 (`midlayer`) normalises each half on its own (`input_layernorm` for the embedding,
 `hidden_norm` for the hidden state), attends over their concatenation (q/k/v take
-2·hidden inputs), keeps the hidden state as the residual, and an LM head over a
-reduced draft vocabulary gives draft ids, mapped to target ids by `d2t` (target id =
-draft id + d2t[draft id]). Later drafting steps feed the head's own output hidden
-state back instead of fc(target features), as EAGLE-3 does.
+2·hidden inputs), keeps the hidden state as the residual; a head of more than one
+layer (`num_hidden_layers`, 1 in published EAGLE-3 heads) runs plain Llama decoder
+layers after it (`extra_layers`), each with its own K/V. An LM head over a reduced
+draft vocabulary gives draft ids, mapped to target ids by `d2t` (target id = draft id
++ d2t[draft id]). Later drafting steps feed the head's own output hidden state back
+instead of fc(target features), as EAGLE-3 does.
 
 Files: `config.json` (HF Llama fields plus `draft_vocab_size` and
 `eagle_config.eagle_aux_hidden_state_layer_ids`) and `model.safetensors` with
@@ -34,6 +36,7 @@ from runner.models.linear import LinearKernel, PackedLinear
 from runner.models.llama import (
     LlamaAttention,
     LlamaConfig,
+    LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
     RMSNorm,
@@ -73,13 +76,22 @@ class Eagle3Config:
     aux_layer_ids: tuple[int, ...]
 
     @classmethod
-    def for_target(cls, target: LlamaConfig, draft_vocab_size: int) -> Eagle3Config:
-        return cls(replace(target, num_hidden_layers=1, tie_word_embeddings=False),
+    def for_target(cls, target: LlamaConfig, draft_vocab_size: int, num_layers: int = 1
+                   ) -> Eagle3Config:
+        return cls(replace(target, num_hidden_layers=num_layers, tie_word_embeddings=False),
                    draft_vocab_size, default_aux_layers(target.num_hidden_layers))
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers: `midlayer`, then `num_layers - 1` plain ones."""
+        return self.llama.num_hidden_layers
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], target: LlamaConfig) -> Eagle3Config:
-        fields = {"num_hidden_layers": 1, "tie_word_embeddings": False,
+        layers = cfg.get("num_hidden_layers", 1)
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(f"num_hidden_layers must be an integer >= 1, got {layers!r}")
+        fields = {"num_hidden_layers": layers, "tie_word_embeddings": False,
                   "head_dim": cfg.get("head_dim") or
                   cfg["hidden_size"] // cfg["num_attention_heads"],
                   "max_position_embeddings": cfg.get("max_position_embeddings",
@@ -95,7 +107,8 @@ class Eagle3Config:
         return {
             "architectures": [ARCHITECTURE], "model_type": "llama",
             "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-            "num_hidden_layers": 1, "num_attention_heads": c.num_attention_heads,
+            "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads,
             "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
             "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
             "max_position_embeddings": c.max_position_embeddings,
@@ -148,6 +161,8 @@ class Eagle3Head(nn.Module):
         self.fc = nn.Linear(len(config.aux_layer_ids) * c.hidden_size, c.hidden_size,
                             bias=False)
         self.midlayer = Eagle3Layer(c)
+        self.extra_layers = nn.ModuleList(LlamaDecoderLayer(c)
+                                          for _ in range(config.num_layers - 1))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, config.draft_vocab_size, bias=False)
         self.mask_hidden = nn.Parameter(torch.zeros(c.hidden_size))
@@ -176,11 +191,14 @@ class Eagle3Head(nn.Module):
         for norm in (self.midlayer.input_layernorm, self.midlayer.hidden_norm,
                      self.midlayer.post_attention_layernorm, self.norm):
             norm.pack()
+        for layer in self.extra_layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            layer.pack(kernel)
         self._lm_head = kernel.pack(self.lm_head.weight, None)
 
     @property
     def num_layers(self) -> int:
-        return 1
+        return self.head_config.num_layers
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -210,18 +228,30 @@ class Eagle3Head(nn.Module):
                 attn: AttentionBackend) -> torch.Tensor:
         """token_ids, positions [R]; hidden [R, H] (projected, or the head's own
         output) -> output hidden [R, H], before the final norm."""
-        return self.midlayer(*self._layer_inputs(token_ids, hidden, positions), kv_caches[0],
-                             meta, attn)
+        embeds, hidden, rope = self._layer_inputs(token_ids, hidden, positions)
+        h = self.midlayer(embeds, hidden, rope, kv_caches[0], meta, attn)
+        for layer, cache in zip(self.extra_layers, kv_caches[1:], strict=True):
+            h = layer(h, rope, cache, meta, attn)
+        return h
 
     def write_kv(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[KVCache], meta: AttentionMetadata,
                  attn: AttentionBackend) -> None:
         """A pass whose outputs nobody reads (DFlash's context pass, a prefill chunk
-        that does not sample): only what `forward` writes to the cache, which is its
-        one layer's K/V. The attention, the output projection and the MLP are most of
-        the layer, skipped."""
-        self.midlayer.write_kv(*self._layer_inputs(token_ids, hidden, positions), kv_caches[0],
-                               meta, attn)
+        that does not sample): only what `forward` writes to the cache, which is each
+        layer's K/V. The last layer's attention, output projection and MLP are skipped
+        (of a one-layer head, most of its work); the layers before it run whole, as
+        their outputs are the next layer's input."""
+        embeds, hidden, rope = self._layer_inputs(token_ids, hidden, positions)
+        if not len(self.extra_layers):
+            self.midlayer.write_kv(embeds, hidden, rope, kv_caches[0], meta, attn)
+            return
+        h = self.midlayer(embeds, hidden, rope, kv_caches[0], meta, attn)
+        *before, last = self.extra_layers
+        for layer, cache in zip(before, kv_caches[1:-1], strict=True):
+            h = layer(h, rope, cache, meta, attn)
+        assert isinstance(last, LlamaDecoderLayer)
+        last.write_kv(h, rope, kv_caches[-1], meta, attn)
 
     def _layer_inputs(self, token_ids: torch.Tensor, hidden: torch.Tensor,
                       positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Rotary]:

@@ -94,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the head's decoder layer at the start: the target's layer "
                              "whose input it reads last, or random (default: random for "
                              "dflash, target for the rest)")
+    parser.add_argument("--head-layers", type=at_least(1), default=1,
+                        help="the head's decoder layers (EAGLE-3's is one); from the "
+                             "target, the later ones start as the target's layers after L")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="the target's dtype while generating data (default: what "
                              "the engine serves in)")

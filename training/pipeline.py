@@ -33,7 +33,13 @@ import torch
 
 from engine.llm import LLM
 from runner.config import RunnerConfig
-from runner.eagle3 import Eagle3Config, Eagle3Head, save_eagle3, trained_head_dir
+from runner.eagle3 import (
+    Eagle3Config,
+    Eagle3Head,
+    default_aux_layers,
+    save_eagle3,
+    trained_head_dir,
+)
 from runner.model_loader import load_model, read_config
 from runner.model_prep import resolve_model
 from runner.models.kernel_select import fastest_linear_kernel
@@ -170,10 +176,18 @@ def data_with_fastest_kernel(llm: LLM, model: LlamaForCausalLM, args: argparse.N
 def check_arguments(args: argparse.Namespace) -> None:
     """What argparse cannot check alone, before minutes of data generation: ValueError
     naming the option. (Ranges of single options are argparse types: training/options.py.)"""
-    vocab_size = int(read_config(resolve_model(args.model))["vocab_size"])
+    target = read_config(resolve_model(args.model))
+    vocab_size = int(target["vocab_size"])
     if args.draft_vocab_size > vocab_size:
         raise ValueError(f"--draft-vocab-size must be at most the target's vocabulary "
                          f"({vocab_size}), got {args.draft_vocab_size}")
+    # Started from the target, the head's layer i is the target's layer L + i - 1.
+    num_layers = int(target["num_hidden_layers"])
+    top = max(default_aux_layers(num_layers))
+    if args.head_layers > num_layers - top and head_init(args.method, args.init) == "target":
+        raise ValueError(f"--head-layers must be at most {num_layers - top} for a head that "
+                         f"starts as the target's layers from {top} (of {num_layers}; "
+                         f"or --init random), got {args.head_layers}")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -187,7 +201,7 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(model=args.model, loaded_model=model, max_model_len=512,
               max_num_seqs=args.generate_batch, max_num_batched_tokens=2048,
               enable_prefix_caching=False)  # every position run: the capture keeps it
-    config = Eagle3Config.for_target(model.config, args.draft_vocab_size)
+    config = Eagle3Config.for_target(model.config, args.draft_vocab_size, args.head_layers)
     out = Path(args.out) if args.out else trained_head_dir(path, args.method)
     splits = data_with_fastest_kernel(llm, model, args, config.aux_layer_ids,
                                       out.parent / "data")
@@ -220,7 +234,8 @@ def run(args: argparse.Namespace) -> dict:
     # loss and optimisation settings (another run's head maps its draft ids through
     # another vocabulary, and would serve garbage).
     run_key = digest([data_key(model, args, config.aux_layer_ids), args.method,
-                      args.draft_vocab_size, args.loss, init, repr(train_config)])
+                      args.draft_vocab_size, args.loss, init, repr(train_config),
+                      config.num_layers])
     train_head(head, batch("train"), train_config, checkpoint=out / "checkpoint.pt",
                progress=not args.no_progress, run_key=run_key)
     loss, accs = evaluate(head, batch("eval"), train_config.depth, args.method)
@@ -232,7 +247,7 @@ def run(args: argparse.Namespace) -> dict:
                "eval_windows": len(splits["eval"][0]), "window": WINDOW,
                "updates": args.updates, "lr": args.lr, "seed": args.seed, "loss": args.loss,
                "noise": args.noise, "weight_decay": train_config.weight_decay,
-               "init": init,
+               "init": init, "head_layers": config.num_layers,
                "draft_vocab_size": args.draft_vocab_size,
                "data_answer_tokens": int((splits["train"][3] >= 0).sum()),
                "data_s": round(data_s, 1), "wall_s": round(time.monotonic() - started, 1)}

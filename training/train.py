@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from runner.eagle3 import Eagle3Head
+from runner.eagle3 import Eagle3Head, Eagle3Layer
 from runner.models.llama import LlamaDecoderLayer, LlamaForCausalLM, apply_rope
 from spec_decode.methods import TrainLayout
 from training.layouts import MASK_TOKEN_ID, live_rows, step_targets, train_layout
@@ -113,6 +113,9 @@ def init_layer_from_target(head: Eagle3Head, target: LlamaForCausalLM) -> None:
         mid.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight)
         for name in ("gate_proj", "up_proj", "down_proj"):
             getattr(mid.mlp, name).weight.copy_(getattr(source.mlp, name).weight)
+        # A deeper head's later layers go on as the target's: L + 1, L + 2, ...
+        for i, extra in enumerate(head.extra_layers, start=1):
+            extra.load_state_dict(target.model.layers[top + i].state_dict())
 
 
 def expected_length(agreement: list[float]) -> float:
@@ -139,18 +142,38 @@ def _placed(flat: torch.Tensor, index: torch.Tensor | None, num: int, length: in
     return flat.view(num, length, -1)
 
 
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
 def _step(head: Eagle3Head, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
-          sin: torch.Tensor, prior: list[tuple[torch.Tensor, torch.Tensor]],
-          live: torch.Tensor | None = None
-          ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """One unrolled step over [N, T] rows; `prior` holds earlier steps' (K, V). The
-    row-wise work (norms, projections, the MLP: nearly all of a step's time) runs on
-    the `live` rows only (flat indices, None for all; `layouts.live_rows`): the others
-    come out as zeros, which nothing scored reads."""
-    layer, attn = head.midlayer, head.midlayer.self_attn
-    num, length, _ = hidden.shape
+          sin: torch.Tensor, prior: list[tuple[KV, ...]], live: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, tuple[KV, ...]]:
+    """One unrolled step over [N, T] rows through each of the head's layers; `prior`
+    holds earlier steps' (K, V) per layer. The row-wise work (norms, projections, the
+    MLP: nearly all of a step's time) runs on the `live` rows only (flat indices, None
+    for all; `layouts.live_rows`): the others come out as zeros, which nothing scored
+    reads."""
+    layer, num = head.midlayer, hidden.shape[0]
     own = _rows(hidden, live)
     x = torch.cat((layer.input_layernorm(_rows(embeds, live)), layer.hidden_norm(own)), dim=-1)
+    out, kv = _block(layer, x, own, cos, sin, [p[0] for p in prior], live, num)
+    kvs = [kv]
+    for i, extra in enumerate(head.extra_layers, start=1):
+        assert isinstance(extra, LlamaDecoderLayer)
+        own = _rows(out, live)
+        out, kv = _block(extra, extra.input_layernorm(own), own, cos, sin,
+                         [p[i] for p in prior], live, num)
+        kvs.append(kv)
+    return out, tuple(kvs)
+
+
+def _block(layer: Eagle3Layer | LlamaDecoderLayer, x: torch.Tensor, own: torch.Tensor,
+           cos: torch.Tensor, sin: torch.Tensor, prior: list[KV], live: torch.Tensor | None,
+           num: int) -> tuple[torch.Tensor, KV]:
+    """One decoder layer's attention (in the layout's pattern: `prior` holds this
+    layer's K/V of earlier steps) and MLP over the live rows: `x` its normed input,
+    `own` the residual, both [live rows, *]; [N, T, H] out (N = `num`)."""
+    attn, length = layer.self_attn, cos.shape[0]
     q = _placed(attn.q_proj(x), live, num, length).view(num, length, attn.num_heads,
                                                          attn.head_dim)
     k = _placed(attn.k_proj(x), live, num, length).view(num, length, attn.num_kv_heads,
@@ -226,7 +249,7 @@ def unroll(head: Eagle3Head, aux: torch.Tensor, tokens: torch.Tensor, depth: int
         [None] * len(kinds) if live is None
         else [step.reshape(-1).nonzero().squeeze(1).to(embeds.device) for step in live])
     context = _placed(head.project(_rows(aux[:, :rows], index[0])), index[0], *embeds.shape[:2])
-    prior: list[tuple[torch.Tensor, torch.Tensor]] = []
+    prior: list[tuple[KV, ...]] = []
     outs: list[torch.Tensor] = []
     for kind, rows_now in zip(kinds, index, strict=True):
         inputs = {"context": (embeds, context), "bonus": (embeds, mask_hidden),

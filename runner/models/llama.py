@@ -311,6 +311,19 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(self.input_layernorm(x), x, rope, kv_cache, meta, attn)
         return self.mlp.forward_add(self.post_attention_layernorm(h), h)
 
+    def write_kv(self, x: torch.Tensor, rope: Rotary,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                 attn: AttentionBackend) -> None:
+        """`forward`'s cache writes only (nothing after them feeds the K/V)."""
+        self.self_attn.write_kv(self.input_layernorm(x), rope, kv_cache, meta, attn)
+
+    def pack(self, kernel: LinearKernel) -> None:
+        """Inference only: see `LlamaForCausalLM.pack`."""
+        self.self_attn.pack(kernel)
+        self.mlp.pack(kernel)
+        self.input_layernorm.pack()
+        self.post_attention_layernorm.pack()
+
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm (HF's `model.` prefix)."""
@@ -345,10 +358,7 @@ class LlamaForCausalLM(nn.Module):
         q/k/v and gate/up into one matmul each and the residual adds into the kernel."""
         for layer in self.model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
-            layer.self_attn.pack(choice.kernel)
-            layer.mlp.pack(choice.kernel)
-            layer.input_layernorm.pack()
-            layer.post_attention_layernorm.pack()
+            layer.pack(choice.kernel)
         self.model.norm.pack()
         self._lm_head = choice.kernel.pack(self.lm_head.weight, None)
         self.kernel_choice = choice

@@ -13,7 +13,14 @@ import torch
 
 from engine.llm import LLM
 from runner.draft_gate import TRAINED_HEAD_MIN_CONFIDENCE
-from runner.eagle3 import default_aux_layers, load_eagle3, measured_acceptance
+from runner.eagle3 import (
+    Eagle3Config,
+    Eagle3Head,
+    default_aux_layers,
+    load_eagle3,
+    measured_acceptance,
+    save_eagle3,
+)
 from runner.models.llama import LlamaForCausalLM
 from scheduler import SamplingParams
 from scheduler.config import GoodputSettings
@@ -156,6 +163,31 @@ def test_head_for_another_target_is_refused(model: LlamaForCausalLM, tmp_path: P
     write_published_layout(tmp_path / "head", model, [1, 10, 40])
     with pytest.raises(ValueError, match=r"reads target layers \(1, 10, 40\); the target has 30"):
         load_eagle3(tmp_path / "head", model)
+
+
+def test_a_deeper_head_keeps_every_layer(model: LlamaForCausalLM, tmp_path: Path) -> None:
+    """A head of two decoder layers writes `num_hidden_layers` and both layers'
+    weights, and loads them back; a checkpoint whose config says two layers but that
+    carries one layer's weights, or says no layers, is refused by name."""
+    head = Eagle3Head(Eagle3Config.for_target(model.config, DRAFT_VOCAB, 2), model, seed=0)
+    save_eagle3(head, tmp_path / "head")
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2
+    loaded = load_eagle3(tmp_path / "head", model)
+    assert loaded.num_layers == 2
+    want, got = head.state_dict(), loaded.state_dict()
+    assert want.keys() == got.keys() and any(k.startswith("extra_layers.0.") for k in got)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+    write_published_layout(tmp_path / "one", model, [2, 15, 27])
+    one = json.loads((tmp_path / "one" / "config.json").read_text())
+    for layers, message in ((2, r"missing \['extra_layers\.0\."),
+                            (0, "num_hidden_layers must be an integer >= 1, got 0"),
+                            (True, "num_hidden_layers must be an integer >= 1, got True")):
+        (tmp_path / "one" / "config.json").write_text(
+            json.dumps({**one, "num_hidden_layers": layers}))
+        with pytest.raises(ValueError, match=message):
+            load_eagle3(tmp_path / "one", model)
 
 
 def test_target_exposes_the_inputs_of_its_aux_layers(model: LlamaForCausalLM) -> None:

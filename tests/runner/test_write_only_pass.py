@@ -80,14 +80,19 @@ def assert_same(full: list, written: list, fresh: list) -> None:
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_head_write_only_pass_writes_the_full_pass_kv(backend: str, packed: bool) -> None:
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_head_write_only_pass_writes_the_full_pass_kv(backend: str, packed: bool,
+                                                      layers: int) -> None:
+    """Every layer's cache, a deeper head's too (its layers before the last run whole:
+    their outputs are the next one's input)."""
     dtype = torch.bfloat16 if packed else torch.float32
     target = tiny_target(dtype)
-    head = Eagle3Head(Eagle3Config.for_target(target.config, 32), target, seed=3).to(dtype)
+    head = Eagle3Head(Eagle3Config.for_target(target.config, 32, layers), target,
+                      seed=3).to(dtype)
     if packed:
         head.pack(OneDNNLinear())
-    full, written = both_ways(head, 1, target.config, backend, dtype)
-    assert_same(full, written, caches(1, target.config, dtype))
+    full, written = both_ways(head, layers, target.config, backend, dtype)
+    assert_same(full, written, caches(layers, target.config, dtype))
 
 
 def test_draft_lm_write_only_pass_writes_every_layer() -> None:

@@ -308,6 +308,7 @@ def test_serve_bench_script_self_contained(tmp_path: Path) -> None:
     (["--lr", "0"], "must be a finite number > 0, got 0"),
     (["--lr", "nan"], "must be a finite number > 0, got nan"),
     (["--weight-decay", "-0.1"], "must be a finite number >= 0, got -0.1"),
+    (["--head-layers", "0"], "must be >= 1, got 0"),
 ])
 def test_train_drafter_refuses_bad_options_at_parse_time(
         argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -329,3 +330,7 @@ def test_train_drafter_refuses_a_draft_vocabulary_larger_than_the_target(
     _one_line_refusal(["train-drafter", "--draft-vocab-size", "10000000"],
                       "--draft-vocab-size must be at most the target's vocabulary (49152), "
                       "got 10000000", capsys)
+    # From the target, a head's layers are the target's from layer 27 on: 3 at most.
+    _one_line_refusal(["train-drafter", "--head-layers", "4"],
+                      "--head-layers must be at most 3 for a head that starts as the "
+                      "target's layers from 27 (of 30; or --init random), got 4", capsys)

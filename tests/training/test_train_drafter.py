@@ -169,11 +169,12 @@ def test_train_drafter_command_writes_a_head_that_serves(tmp_path: Path,
     assert main(["train-drafter", "--tokens", "512", "--updates", "4", "--max-prompts", "2",
                  "--draft-vocab-size", "256", "--num-speculative-tokens", "2",
                  "--served-prompts", "1", "--loss", "kl", "--lr", "2e-3", "--no-progress",
-                 "--weight-decay", "0.01", "--out", str(out)]) == 0
+                 "--weight-decay", "0.01", "--head-layers", "2", "--out", str(out)]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["train_windows"] == 4 and metrics["updates"] == 4 and metrics["lr"] == 2e-3
     assert metrics["loss"] == "kl" and metrics["data_answer_tokens"] > 0
     assert metrics["weight_decay"] == 0.01  # the option reaches the training config
+    assert metrics["head_layers"] == 2  # ... and this one the head (served below)
     served = metrics["served"]  # the head served on a held-out instruction
     assert served["lossless"] and served["draft_tokens"] > 0
     assert len(served["acceptance_per_position"]) == 2 and served["speedup_vs_off"] > 0
@@ -184,7 +185,7 @@ def test_train_drafter_command_writes_a_head_that_serves(tmp_path: Path,
     assert metrics["expected_acceptance_length"] >= 1
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert config["draft_vocab_size"] == 256
+    assert config["draft_vocab_size"] == 256 and config["num_hidden_layers"] == 2
 
     monkeypatch.setattr(drafter, "trained_head_dir", lambda _path, method: out)
     params = SamplingParams(max_tokens=8)
@@ -192,6 +193,7 @@ def test_train_drafter_command_writes_a_head_that_serves(tmp_path: Path,
               speculative_config={"method": "eagle", "num_speculative_tokens": 2})
     head = llm.engine.runner.spec.drafter.net  # type: ignore[union-attr]
     assert head.lm_head.weight.shape[0] == 256  # the trained head, not a random one
+    assert head.num_layers == 2 and len(llm.engine.runner.spec.drafter.kv_caches) == 2
     off = LLM(loaded_model=default_model(), num_kv_blocks=16, max_model_len=128)
     prompt = ["def add(a, b):"]
     assert llm.generate(prompt, params)[0].outputs[0].token_ids == \
@@ -301,6 +303,28 @@ def test_the_head_starts_as_the_target_layer_it_reads_last() -> None:
     torch.testing.assert_close(mid.hidden_norm.weight, source.input_layernorm.weight.float(),
                                rtol=0, atol=0)
     assert not torch.allclose(rand_mid.mlp.down_proj.weight, mid.mlp.down_proj.weight)
+
+
+def test_a_deeper_heads_later_layers_start_as_the_target_layers_after_it() -> None:
+    """`--head-layers 3` from the target: the head's layers are the target's 27, 28
+    and 29, so it starts as the target does from layer 27 on; without the layer init
+    its later layers keep their random start."""
+    model = default_model()
+    config = Eagle3Config.for_target(model.config, DRAFT_VOCAB, 3)
+    d2t = torch.zeros(DRAFT_VOCAB, dtype=torch.int64)
+    top = max(config.aux_layer_ids)
+    for layer in (True, False):
+        head = Eagle3Head(config, model, seed=0)
+        init_from_target(head, model, d2t, layer=layer)
+        assert len(head.extra_layers) == 2
+        for i, extra in enumerate(head.extra_layers, start=1):
+            source = model.model.layers[top + i].state_dict()
+            same = {name: torch.equal(w.float(), source[name].float())
+                    for name, w in extra.state_dict().items()}
+            if layer:
+                assert all(same.values()), (i, same)
+            else:
+                assert not same["self_attn.q_proj.weight"] and not same["mlp.down_proj.weight"]
 
 
 def test_the_start_is_the_methods_measured_default_unless_asked() -> None:

@@ -10,16 +10,18 @@ crossed-layout case shows.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from engine.llm import LLM
 from runner.drafter import ModelDrafter
-from runner.eagle3 import Eagle3Config, Eagle3Head
+from runner.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
 from scheduler import SamplingParams
-from spec_decode.methods import TrainLayout
+from spec_decode.methods import TrainLayout, get_method
 from tests.server_helpers import default_model
 from training.features import target_features
 from training.layouts import greedy_run, live_rows, step_targets, train_layout
@@ -53,8 +55,8 @@ def test_step_targets_follow_each_layout() -> None:
 Proposal = tuple[int, list[int], list[torch.Tensor]]  # bonus position, drafts, hiddens
 
 
-def _serve_and_record(method: str, prompt: str, monkeypatch: pytest.MonkeyPatch
-                      ) -> tuple[Any, list[int], list[Proposal]]:
+def _serve_and_record(method: str, prompt: str, monkeypatch: pytest.MonkeyPatch,
+                      model: str = "random") -> tuple[Any, list[int], list[Proposal]]:
     """The head, the finished sequence, and every proposal (one request: the hidden
     states reach `greedy_tokens` in draft order)."""
     log: list[Proposal] = []
@@ -83,7 +85,10 @@ def _serve_and_record(method: str, prompt: str, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(ModelDrafter, "propose", recording)
     llm = LLM(loaded_model=default_model(), num_kv_blocks=32, max_model_len=256,
               speculative_config={"method": method, "num_speculative_tokens": K,
-                                  "model": "random", "draft_policy": "fixed"})
+                                  "model": model, "draft_policy": "fixed",
+                                  # a loaded chain head's gate would stop chains early
+                                  **({"min_draft_confidence": 0.0}
+                                     if get_method(method).sequential else {})})
     head = llm.engine.runner.spec.drafter.net  # type: ignore[union-attr]
     with torch.no_grad():  # mask rows that differ from a zero start
         head.mask_hidden.copy_(torch.randn(head.mask_hidden.shape,
@@ -129,6 +134,30 @@ def test_training_rows_reproduce_served_drafts(method: str,
     # The check bites: read with another method's layout, the same rows disagree.
     crossed = train_layout("dflash" if method != "dflash" else "parallel")
     equal, compared = _compare(seq, log, _training_outputs(head, seq, crossed), crossed)
+    assert compared >= 10 and equal == 0, (equal, compared)
+
+
+@pytest.mark.parametrize("method", ["eagle", "dflash"])
+def test_a_deeper_heads_training_rows_reproduce_served_drafts(
+        method: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A head of two decoder layers (`train-drafter --head-layers 2`), written and
+    loaded as a checkpoint: every served draft's hidden state is on its training row,
+    and a training forward that skips the second layer finds none of them."""
+    target = default_model()
+    save_eagle3(Eagle3Head(Eagle3Config.for_target(target.config, 512, 2), target, seed=0),
+                tmp_path / "head")
+    head, seq, log = _serve_and_record(method, "def fibonacci(n):", monkeypatch,
+                                       str(tmp_path / "head"))
+    assert head.num_layers == 2
+    layout = train_layout(method)
+    equal, compared = _compare(seq, log, _training_outputs(head, seq, layout), layout)
+    assert compared >= 10 and equal == compared, (equal, compared)
+    extra, head.extra_layers = head.extra_layers, nn.ModuleList()  # (packed: no deepcopy)
+    try:
+        shallow = _training_outputs(head, seq, layout)
+    finally:
+        head.extra_layers = extra
+    equal, compared = _compare(seq, log, shallow, layout)
     assert compared >= 10 and equal == 0, (equal, compared)
 
 
