@@ -75,9 +75,11 @@ class Scheduler:
         self._predicted_seconds: float | None = None  # of the step last planned
         # Of the step last planned: rows that give logits, and the drafter's passes.
         self._logit_rows = 0
-        self._drafter_passes = 0.0
-        # Of those passes, a chain drafter's one-row steps as priced (None: no chain).
-        self._chain_steps: float | None = None
+        # ... the drafter's passes other than a chain's one-row steps (the fit reads the
+        # one-row steps the chains ran, the prediction the ones the policy priced), and
+        # whether the drafter runs such steps.
+        self._base_passes = 0
+        self._chained = False
         self._step_record: StepRecord | None = None  # built on the first step
         self._finished_since_last_step: set[str] = set()
         # Set by a caller that holds every request it will add (offline `generate`):
@@ -429,10 +431,9 @@ class Scheduler:
         rows = result.pass_rows or out.pass_rows
         target = rows.get("target", 0)
         drafter = sum(rows.values()) - target
-        passes = round(self._drafter_passes)
-        if self._chain_steps is not None:  # the fit reads the one-row steps run
-            passes = round(self._drafter_passes - self._chain_steps) + max(
-                max(map(len, result.draft_token_ids.values()), default=0) - 1, 0)
+        passes = self._base_passes
+        if self._chained:  # the one-row steps run: the longest chain's drafts past its first
+            passes += max(max(map(len, result.draft_token_ids.values()), default=0) - 1, 0)
         self.policy.observe_step(verified, accepted, states,
                                  (target, self._logit_rows, drafter, passes),
                                  result.step_seconds, produced, result.drafter_seconds)
@@ -457,18 +458,17 @@ class Scheduler:
         sampling = record.samples[live]
         self.stats.goodput.record_drafts(k[sampling])
         drafter = sum(output.pass_rows.values()) - output.total_num_scheduled_tokens
-        passes: float = sum(rows > 0 for name, rows in output.pass_rows.items()
-                            if name != "target")
-        self._chain_steps = None
-        if self.method is not None and self.method.sequential:
+        self._base_passes = sum(rows > 0 for name, rows in output.pass_rows.items()
+                                if name != "target")
+        passes: float = self._base_passes
+        self._chained = self.method is not None and self.method.sequential
+        if self._chained:
             drafter += int(np.maximum(k - 1, 0).sum())
             # Its one-row steps, as the policy priced them (a gated chain may stop short).
-            self._chain_steps = self.policy.chain_steps(int(k[sampling].max(initial=0)),
-                                                        int(sampling.sum()))
-            passes += self._chain_steps
+            passes += self.policy.chain_steps(int(k[sampling].max(initial=0)),
+                                              int(sampling.sum()))
         # Rows that give logits: each sampling chunk's verified drafts and its last row.
         self._logit_rows = int((record.num_spec[live][sampling] + 1).sum())
-        self._drafter_passes = passes
         self._predicted_seconds = self.policy.time_model.predict_one(
             output.total_num_scheduled_tokens, self._logit_rows, drafter, passes)
 
