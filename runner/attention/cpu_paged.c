@@ -83,6 +83,7 @@ typedef struct {
     const void *query, *key_cache, *value_cache;
     void *out;
     const int32_t *block_table, *query_start_loc, *seq_lens;
+    const int32_t *tree_prefix; /* NULL, or per query row: -1, or the keys it sees before its own */
     int64_t table_stride, query_stride;
     int32_t num_heads, num_kv_heads, head_dim, block_size;
     float scale;
@@ -160,29 +161,40 @@ static inline void run_item(const Args *a, Item it, float *scratch, int bf16) {
     /* Softmax down each query's column, 16 lanes at a time; padding lanes see no key. */
     float total[nqp];
     for (int c = 0; c < nqp; c += LANES) {
-        int32_t valid[LANES];
+        /* A lane sees keys [0, valid) but those in [skip_lo, skip_hi): a tree row skips
+         * the keys between its prefix and its own (weight exactly 0, so it computes the
+         * bits it would at the end of its prefix). */
+        int32_t valid[LANES], skip_lo[LANES], skip_hi[LANES];
         float top[LANES], sum[LANES];
         for (int l = 0; l < LANES; l++) {
-            valid[l] = c + l < nq ? pos0 + it.first_row + (c + l) / G + 1 : 0;
+            const int32_t row = it.first_row + (c + l) / G;
+            valid[l] = c + l < nq ? pos0 + row + 1 : 0;
+            skip_lo[l] = skip_hi[l] = 0;
+            if (a->tree_prefix && c + l < nq && a->tree_prefix[q0 + row] >= 0) {
+                skip_lo[l] = a->tree_prefix[q0 + row];
+                skip_hi[l] = pos0 + row;
+            }
             top[l] = -INFINITY;
             sum[l] = 0.0f;
         }
+#define SEEN(t, l) ((t) < valid[l] && ((t) < skip_lo[l] || (t) >= skip_hi[l]))
         for (int32_t t = 0; t < nkeys; t++) {
             const float *s = st + (int64_t)t * nqp + c;
-            for (int l = 0; l < LANES; l++) top[l] = t < valid[l] && s[l] > top[l] ? s[l] : top[l];
+            for (int l = 0; l < LANES; l++) top[l] = SEEN(t, l) && s[l] > top[l] ? s[l] : top[l];
         }
         for (int32_t t = 0; t < nkeys; t++) {
             float *s = st + (int64_t)t * nqp + c;
             for (int l = 0; l < LANES; l++) {
                 /* computed for every lane (a vector), kept where the key is seen */
                 const float e = exp_nonpositive(s[l] - top[l]);
-                const float p = t < valid[l] ? e : 0.0f;
+                const float p = SEEN(t, l) ? e : 0.0f;
                 s[l] = p;
                 sum[l] += p; /* past a row's last key: + 0, nothing */
             }
         }
         for (int l = 0; l < LANES; l++) total[c + l] = sum[l];
     }
+#undef SEEN
     /* Values in groups of KEY_GROUP too: a row's accumulator is loaded once a group and
      * its chain still runs over keys in order (weight 0 past a row's last key: no change). */
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
@@ -229,12 +241,18 @@ static void item_bf16(const Args *a, Item it, float *scratch) { run_item(a, it, 
  * its rows, and blocks for its keys inside the table and the caches. */
 static int metadata_in_range(const int32_t *block_table, int64_t table_stride,
                              int32_t table_width, const int32_t *query_start_loc,
-                             const int32_t *seq_lens, int32_t num_reqs, int64_t num_tokens,
+                             const int32_t *seq_lens, const int32_t *tree_prefix,
+                             int32_t num_reqs, int64_t num_tokens,
                              int64_t num_blocks, int32_t block_size) {
     if (query_start_loc[0] < 0) return 0;
     for (int32_t i = 0; i < num_reqs; i++) {
         const int32_t rows = query_start_loc[i + 1] - query_start_loc[i];
         if (rows < 0 || query_start_loc[i + 1] > num_tokens || seq_lens[i] < rows) return 0;
+        /* a tree row sees at least one key before its own, and none past it */
+        for (int32_t r = 0; tree_prefix && r < rows; r++) {
+            const int32_t v = tree_prefix[query_start_loc[i] + r];
+            if (v != -1 && (v < 1 || v > seq_lens[i] - rows + r)) return 0;
+        }
         const int64_t blocks = ((int64_t)seq_lens[i] + block_size - 1) / block_size;
         if (blocks > table_width) return 0;
         for (int64_t b = 0; b < blocks; b++) {
@@ -270,7 +288,8 @@ static void write_rows(const void *key, int64_t key_stride, const void *value,
 
 /* dtype: 0 float32, 1 bfloat16. key and value: this step's rows, `key_stride` and
  * `value_stride` bytes apart, written to the slots `slot_mapping` names before any row
- * attends. Returns 0; -1 when scratch could not be allocated; -2 for metadata or a slot
+ * attends. `tree_prefix`: NULL, or each row's -1 (causal) or count of keys it sees before
+ * its own (metadata.py). Returns 0; -1 when scratch could not be allocated; -2 for metadata or a slot
  * out of range (refused before anything is read or written). */
 int specbudget_paged_attention(int dtype, const void *query, int64_t query_stride,
                                const void *key, int64_t key_stride, const void *value,
@@ -278,18 +297,19 @@ int specbudget_paged_attention(int dtype, const void *query, int64_t query_strid
                                void *key_cache, void *value_cache, void *out,
                                const int32_t *block_table, int64_t table_stride,
                                int32_t table_width, const int32_t *query_start_loc,
-                               const int32_t *seq_lens, int32_t num_reqs, int64_t num_tokens,
+                               const int32_t *seq_lens, const int32_t *tree_prefix,
+                               int32_t num_reqs, int64_t num_tokens,
                                int64_t num_blocks, int32_t num_heads, int32_t num_kv_heads,
                                int32_t head_dim, int32_t block_size, float scale) {
     if (block_size < 1 || num_kv_heads < 1 || num_heads % num_kv_heads ||
         !metadata_in_range(block_table, table_stride, table_width, query_start_loc, seq_lens,
-                           num_reqs, num_tokens, num_blocks, block_size) ||
+                           tree_prefix, num_reqs, num_tokens, num_blocks, block_size) ||
         !slots_in_range(slot_mapping, num_tokens, num_blocks * block_size))
         return -2;
     write_rows(key, key_stride, value, value_stride, slot_mapping, key_cache, value_cache,
                num_tokens, (int64_t)num_kv_heads * head_dim * (dtype == 1 ? 2 : 4));
     Args a = {query, key_cache, value_cache, out, block_table, query_start_loc, seq_lens,
-              table_stride, query_stride, num_heads, num_kv_heads, head_dim, block_size,
+              tree_prefix, table_stride, query_stride, num_heads, num_kv_heads, head_dim, block_size,
               scale};
     int64_t num_items = 0;
     for (int32_t i = 0; i < num_reqs; i++) {

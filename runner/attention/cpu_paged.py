@@ -51,6 +51,7 @@ class CpuPagedAttention(AttentionBackend):
                              f"go into these caches, got {tuple(key.shape)}, "
                              f"{tuple(value.shape)}")
         size = key.element_size()
+        tree = meta.tree_prefix
         # The kernel writes this step's K/V into the caches before it attends (the
         # same bytes as `write`, in the call that reads them).
         status = self._fn(code, query.data_ptr(), query.stride(0),
@@ -60,13 +61,15 @@ class CpuPagedAttention(AttentionBackend):
                           key_cache.data_ptr(), value_cache.data_ptr(),
                           out.data_ptr(), table.data_ptr(), table.stride(0), table.shape[1],
                           meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
-                          meta.num_reqs, num_tokens, num_blocks, query.shape[1], num_kv_heads,
-                          head_dim, block_size, ctypes.c_float(scale))
+                          tree.data_ptr() if tree is not None else None, meta.num_reqs,
+                          num_tokens, num_blocks, query.shape[1], num_kv_heads, head_dim,
+                          block_size, ctypes.c_float(scale))
         if status == -2:
             raise ValueError("attention metadata out of range: a request's rows, sequence "
                              "length or block ids do not fit the query rows, its block "
-                             "table or the KV caches, or a slot of slot_mapping lies "
-                             "outside the caches")
+                             "table or the KV caches, a slot of slot_mapping lies "
+                             "outside the caches, or a tree row's prefix is not in "
+                             "[1, its own position]")
         if status != 0:
             raise MemoryError("cpu attention kernel could not allocate its scratch")
         return out
@@ -118,6 +121,11 @@ def _check_metadata(meta: AttentionMetadata) -> None:
         if t.dtype != torch.int32 or t.device.type != "cpu" or t.stride(-1) != 1:
             raise ValueError(f"the cpu attention backend needs {name} as a CPU int32 "
                              f"tensor with unit stride, got {t.dtype} on {t.device}")
+    tree = meta.tree_prefix
+    if tree is not None and (tree.dtype != torch.int32 or tree.device.type != "cpu"
+                             or tree.stride(-1) != 1 or tree.numel() < meta.num_actual_tokens):
+        raise ValueError("the cpu attention backend needs tree_prefix as a CPU int32 tensor "
+                         "with unit stride and a value per token")
     slots = meta.slot_mapping
     if (slots.dtype != torch.int64 or slots.device.type != "cpu" or slots.stride(-1) != 1
             or slots.numel() < meta.num_actual_tokens):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -18,6 +19,12 @@ class AttentionMetadata:
       slot_mapping[t] = block_table[req(t), pos(t) // 4] * 4 + pos(t) % 4
     Query j of request i sits at position seq_lens[i] - num_query_i + j and attends
     causally to every key at or before that position.
+
+    Tree rows (a drafted token tree's leaves, verified in the same pass as its chain):
+    `tree_prefix[t] = v >= 1` makes row t see only the keys before position v and its
+    own key, as if it sat at position v (its rope position is v, set by the caller);
+    -1 is a plain causal row. A tree row's result is bitwise the one it would have at
+    position v of a sequence without the keys it skips (runner/attention backends).
     """
 
     num_actual_tokens: int
@@ -31,3 +38,6 @@ class AttentionMetadata:
     # Host copies for the torch path's per-request loop (no device syncs there).
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # [num_actual_tokens] int32 on the device and its host copy, or None: no tree rows.
+    tree_prefix: torch.Tensor | None = None
+    tree_prefix_cpu: np.ndarray | None = None

@@ -71,8 +71,10 @@ MAX_CALL_SCORES = 1 << 23  # float32 scores of one long-chunk call: 32 MiB
 MAX_HELD_MASK_BYTES = 1 << 26
 
 # Rows of one request that a call serves as one padded "request": (request index, its
-# first query row, rows, keys it sees through its last row).
-Slice = tuple[int, int, int, int]
+# first query row, rows, keys it sees through its last row, and -1; or, for a tree row
+# alone, its own key's position: its keys are then the first `keys - 1` and its own,
+# in that order, so it computes exactly what it would at position `keys - 1`).
+Slice = tuple[int, int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -144,16 +146,38 @@ def _slices(meta: AttentionMetadata) -> tuple[list[Slice], list[list[Slice]]]:
     """The short requests whole, and each long chunk cut into tiles of `LONG_TILE`
     rows (a tile sees the keys through its own last row)."""
     starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    short, long = [], []
+    short: list[Slice] = []
+    long: list[list[Slice]] = []
     for i in range(meta.num_reqs):
-        first, rows = starts[i], starts[i + 1] - starts[i]
+        first, rows, seq_len = starts[i], starts[i + 1] - starts[i], seq_lens[i]
+        if meta.tree_prefix_cpu is not None:
+            short += _tree_slices(meta.tree_prefix_cpu, i, first, rows, seq_len)
+            tree = int((meta.tree_prefix_cpu[first:first + rows] >= 0).sum())
+            rows, seq_len = rows - tree, seq_len - tree  # tree rows end a request's rows
         if rows <= BATCHED_MAX_QUERY:
-            short.append((i, first, rows, seq_lens[i]))
+            if rows:
+                short.append((i, first, rows, seq_len, -1))
             continue
         long.append([(i, first + t, min(LONG_TILE, rows - t),
-                      seq_lens[i] - rows + t + min(LONG_TILE, rows - t))
+                      seq_len - rows + t + min(LONG_TILE, rows - t), -1)
                      for t in range(0, rows, LONG_TILE)])
     return short, long
+
+
+def _tree_slices(tree_prefix: np.ndarray, req: int, first: int, rows: int, seq_len: int
+                 ) -> list[Slice]:
+    """Each tree row of a request as a slice of its own (see `Slice`)."""
+    own = np.flatnonzero(tree_prefix[first:first + rows] >= 0)
+    if len(own) and own[0] + len(own) != rows:
+        raise ValueError("attention metadata: a request's tree rows must be its last rows")
+    slices: list[Slice] = []
+    for j in own.tolist():
+        prefix, position = int(tree_prefix[first + j]), seq_len - rows + j
+        if not 1 <= prefix <= position:
+            raise ValueError(f"attention metadata: a tree row's prefix must lie in [1, its "
+                             f"own position {position}], got {prefix}")
+        slices.append((req, first + j, 1, prefix + 1, position))
+    return slices
 
 
 def _by_keys(short: list[Slice]) -> list[list[Slice]]:
@@ -208,8 +232,8 @@ def plan_batched(meta: AttentionMetadata, slices: list[Slice], block_size: int,
     group = num_heads // num_kv_heads
     # Too few matmuls: repeat the first slice (its copies' rows are dropped).
     copies = max(0, cdiv(MIN_PROBLEMS, num_kv_heads) - len(slices))
-    padded = np.array(slices + [slices[0]] * copies, dtype=np.int64)  # [R, 4]
-    index, starts, num_q, seq_lens = padded.T
+    padded = np.array(slices + [slices[0]] * copies, dtype=np.int64)  # [R, 5]
+    index, starts, num_q, seq_lens, own = padded.T
     max_q = max(int(num_q[:len(slices)].max()), cdiv(MIN_GEMM_ROWS, group))
     max_len = cdiv(int(seq_lens[:len(slices)].max()), KEY_CHUNK) * KEY_CHUNK
     j = np.arange(max_q)
@@ -217,6 +241,9 @@ def plan_batched(meta: AttentionMetadata, slices: list[Slice], block_size: int,
     rows = starts[:, None] + last
     t = np.arange(max_len)
     t_in = np.where(t[None, :] < seq_lens[:, None], t[None, :], 0)  # [R, L]
+    # A tree row's last key is its own, wherever it sits (`Slice`).
+    t_in = np.where((own[:, None] >= 0) & (t[None, :] == seq_lens[:, None] - 1),
+                    own[:, None], t_in)
     blocks = _host_block_table(meta)[index[:, None], t_in // block_size].astype(np.int64)
     q_pos = seq_lens[:, None] - num_q[:, None] + last  # [R, Q]
     hidden = t[None, None, :] > q_pos[:, :, None]  # [R, Q, L]

@@ -56,13 +56,13 @@ def _find_request(query_start_loc_ptr, q_tile, num_reqs, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_reqs"])
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, tree_prefix_ptr,
     num_reqs, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_TREE: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -86,6 +86,12 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     head = kv_head * GROUP + offs_m % GROUP
     q_rows = (q_start + q_local) * stride_qt + head * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    # A tree row (metadata.py) skips the keys in [its prefix, its own position); a plain
+    # row's skip range is empty. Every tree prefix is >= 1, so key 0 stays seen.
+    skip_lo = q_pos
+    if HAS_TREE:
+        prefix = tl.load(tree_prefix_ptr + q_start + q_local, mask=row_ok, other=-1)
+        skip_lo = tl.where(prefix >= 0, prefix, q_pos)
 
     # Every row (padding too, as q_pos >= 0) sees key 0, which is in the first tile, so
     # the running max is finite after it and exp2(m_i - m_new) never meets -inf - -inf.
@@ -110,7 +116,9 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
                     mask=k_ok[None, :], other=0.0)
         # Scores in log2 units (scale * log2(e) folded in) so exp2 replaces exp.
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        seen = (k_pos[None, :] <= q_pos[:, None]) & (
+            (k_pos[None, :] < skip_lo[:, None]) | (k_pos[None, :] == q_pos[:, None]))
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
         p = tl.exp2(s - m_new[:, None])
@@ -165,6 +173,7 @@ class TritonPagedAttention(AttentionBackend):
         _paged_attention_kernel[grid](
             out, query, key_cache, value_cache,
             meta.query_start_loc, meta.seq_lens, meta.block_table,
+            meta.tree_prefix if meta.tree_prefix is not None else meta.seq_lens,
             meta.num_reqs, scale * math.log2(math.e),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -173,6 +182,7 @@ class TritonPagedAttention(AttentionBackend):
             BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=self.tile_n,
             # fp32 inputs: exact products, not TF32, so the GPU path matches torch.
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            HAS_TREE=meta.tree_prefix is not None,
         )
         return out
 

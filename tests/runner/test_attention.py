@@ -59,6 +59,19 @@ def make_batch(reqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int,
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(dtype)
 
+    full_k = [randn(c + n, num_kv_heads, head_dim) for c, n in reqs]
+    full_v = [randn(c + n, num_kv_heads, head_dim) for c, n in reqs]
+    queries = [randn(n, num_heads, head_dim) for _, n in reqs]
+    return batch_of(reqs, full_k, full_v, queries, block_size, gen, device)
+
+
+def batch_of(reqs: list[tuple[int, int]], full_k: list[torch.Tensor],
+             full_v: list[torch.Tensor], queries: list[torch.Tensor], block_size: int,
+             gen: torch.Generator, device: str = "cpu") -> Batch:
+    """A step over these requests' whole K/V sequences and new queries: the cached
+    prefix written at shuffled blocks of NaN caches, the new rows left to the pass."""
+    num_kv_heads, head_dim = full_k[0].shape[1:]
+    dtype = full_k[0].dtype
     seq_lens = [c + n for c, n in reqs]
     blocks_per_req = [-(-s // block_size) for s in seq_lens]
     # Two spare blocks nobody owns; the last one pads every block table.
@@ -75,11 +88,9 @@ def make_batch(reqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int,
     flat_k, flat_v = key_cache.view(-1, num_kv_heads, head_dim), value_cache.view(
         -1, num_kv_heads, head_dim)
 
-    full_k, full_v, slots, queries, slot_mapping = [], [], [], [], []
+    slots: list[list[int]] = []
+    slot_mapping: list[int] = []
     for i, (computed, new) in enumerate(reqs):
-        full_k.append(randn(computed + new, num_kv_heads, head_dim))
-        full_v.append(randn(computed + new, num_kv_heads, head_dim))
-        queries.append(randn(new, num_heads, head_dim))
         slots.append([table[i][p // block_size] * block_size + p % block_size
                       for p in range(computed + new)])
         for p in range(computed):  # earlier steps wrote the cached prefix
