@@ -48,6 +48,8 @@ class StepBuffers:
         # Verification reads 1 + s logits per request (speculative decoding), so the
         # logits indices are bounded by B rather than by max_num_seqs.
         self.logits_indices = buf(rows, dtype=torch.int64)  # [B]
+        # Each row's tree prefix (a drafted tree's leaves; -1 else): runner/draft_tree.py.
+        self.tree_prefix = buf(rows)  # [B]
         self.query_start_loc = buf(seqs + 1)  # [max_num_seqs + 1]
         self.seq_lens = buf(seqs)  # [max_num_seqs]
         self.block_table = buf(seqs, max_blocks_per_req)  # [max_num_seqs, max_blocks]

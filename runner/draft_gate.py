@@ -34,6 +34,9 @@ class ConfidentNet(Protocol):
     def drafts_with_confidence(self, hidden: torch.Tensor
                                ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def top_drafts(self, hidden: torch.Tensor, top_k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 def min_draft_confidence(options: dict[str, Any], sequential: bool, trained: bool) -> float:
     """The threshold a drafter serves with: `speculative_config`'s
@@ -57,12 +60,20 @@ class ConfidenceGate:
         self.threshold = threshold
         self._sure: dict[int, float] = {}
 
-    def drafts(self, net: ConfidentNet, hidden: torch.Tensor, reqs: list[int]) -> list[int]:
-        """The greedy drafts read out of `hidden` (row i a draft of request `reqs[i]`),
-        each request's product updated."""
+    def drafts(self, net: ConfidentNet, hidden: torch.Tensor, reqs: list[int],
+               top_k: int = 1) -> list[list[int]]:
+        """The candidates read out of `hidden` (row i a depth of request `reqs[i]`): the
+        greedy draft, then `top_k` - 1 more (a tree's leaves); each request's product
+        of its greedy drafts' probabilities updated."""
+        if top_k > 1:
+            ids, probs = net.top_drafts(hidden, top_k)
+        elif self.threshold <= 0.0:
+            return [[t] for t in net.greedy_tokens(hidden).tolist()]
+        else:
+            ids, probs = net.drafts_with_confidence(hidden)
+            ids = ids[:, None]
         if self.threshold <= 0.0:
-            return net.greedy_tokens(hidden).tolist()
-        ids, probs = net.drafts_with_confidence(hidden)
+            return ids.tolist()
         for req, prob in zip(reqs, probs.tolist(), strict=True):
             self._sure[req] = self._sure.get(req, 1.0) * prob
         return ids.tolist()

@@ -10,7 +10,7 @@ from torch import nn
 
 from runner.attention import AttentionBackend, AttentionMetadata
 from runner.models.llama import LlamaConfig, LlamaForCausalLM
-from spec_decode.sampling import greedy_ids, greedy_with_confidence
+from spec_decode.sampling import greedy_ids, greedy_with_confidence, top_with_confidence
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -60,3 +60,8 @@ class DraftLM(nn.Module):
                                ) -> tuple[torch.Tensor, torch.Tensor]:
         """`greedy_tokens` and each draft's probability under the draft LM."""
         return greedy_with_confidence(self.compute_logits(hidden))
+
+    def top_drafts(self, hidden: torch.Tensor, top_k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's `top_k` candidates, the greedy draft first, and its probability."""
+        return top_with_confidence(self.compute_logits(hidden), top_k)

@@ -22,6 +22,7 @@ from runner.buffers import StepBuffers
 from runner.config import kv_bytes_per_block
 from runner.draft_gate import ConfidenceGate
 from runner.draft_models import DraftLM, KVCache
+from runner.draft_tree import chain_length
 from runner.eagle3 import Eagle3Config, Eagle3Head, load_eagle3, trained_head_dir
 from runner.invariant import check_filled
 from runner.model_loader import load_model
@@ -142,6 +143,11 @@ class DraftNet(Protocol):
         """`greedy_tokens` and each draft's probability under the net ([N] fp32)."""
         ...
 
+    def top_drafts(self, hidden: torch.Tensor, top_k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's `top_k` candidates, the greedy draft first, and its probability."""
+        ...
+
     def __call__(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[KVCache], meta: AttentionMetadata,
                  attn: AttentionBackend) -> torch.Tensor: ...
@@ -163,6 +169,8 @@ class ModelDrafter:
         self.method = spec.spec_method
         # Where a chain stops short of its k (runner/draft_gate.py); 0: never.
         self.min_confidence = min_confidence
+        # Candidates per depth (a drafted tree above 1: runner/draft_tree.py).
+        self.top_k = spec.draft_top_k
         self.parks = spec.parks
         self.net = net
         self.buffers, self.states, self.block_size, self.attn = buffers, states, block_size, attn
@@ -290,6 +298,7 @@ class ModelDrafter:
         if not any(rows for name, rows in planned.counts.items() if name != "target"):
             return drafts  # every request parked: no pass to fill (most steps under load)
         last_hidden: dict[int, torch.Tensor] = {}
+        chain: dict[int, int] = {}  # each request's newest greedy draft
         gate = ConfidenceGate(self.min_confidence)
         passes = [fill_pass(rows, res, self.states.token_ids, self.mask_id)
                   for rows in planned.passes]
@@ -302,24 +311,26 @@ class ModelDrafter:
             read = self._run(draft_pass, res, target_features)
             if read is not None:
                 reqs = draft_pass.req_index[draft_pass.readout].tolist()
-                tokens = gate.drafts(self.net, read, reqs)
-                for req, token, h in zip(reqs, tokens, read, strict=True):
-                    drafts[req].append(token)
+                tokens = gate.drafts(self.net, read, reqs, self.top_k)
+                for req, candidates, h in zip(reqs, tokens, read, strict=True):
+                    drafts[req] += candidates
+                    chain[req] = candidates[0]
                     last_hidden[req] = h
         if self.method.sequential:
-            self._sequential(res, drafts, last_hidden, gate)
+            self._sequential(res, drafts, chain, last_hidden, gate)
         return drafts
 
-    def _sequential(self, res: StepResult, drafts: dict[int, list[int]],
+    def _sequential(self, res: StepResult, drafts: dict[int, list[int]], chain: dict[int, int],
                     last_hidden: dict[int, torch.Tensor], gate: ConfidenceGate) -> None:
-        """Up to k - 1 one-row steps: each drafting request feeds its newest draft
-        back, while the gate lets its chain go on."""
-        for j in range(1, int(res.num_draft_tokens.max(initial=0))):
-            reqs = gate.still_drafting(np.flatnonzero(res.num_draft_tokens > j))
+        """Up to k - 1 one-row steps (a tree's depth - 1): each drafting request feeds
+        its newest greedy draft back, while the gate lets its chain go on."""
+        depth = chain_length(res.num_draft_tokens, self.top_k)
+        for j in range(1, int(depth.max(initial=0))):
+            reqs = gate.still_drafting(np.flatnonzero(depth > j))
             if not len(reqs):
                 break  # every chain stopped: the passes left are not run
             positions = sequential_positions(self.method, res, j)[reqs]
-            tokens = np.array([drafts[int(r)][-1] for r in reqs], dtype=np.int64)
+            tokens = np.array([chain[int(r)] for r in reqs], dtype=np.int64)
             one_row = np.zeros(len(res.rows), dtype=np.int64)
             one_row[reqs] = 1
             starts = np.zeros(len(res.rows), dtype=np.int64)
@@ -330,9 +341,10 @@ class ModelDrafter:
             hidden = torch.stack([last_hidden[int(r)] for r in reqs])
             out = self._run(step, res, hidden, direct_hidden=True)
             assert out is not None
-            tokens_out = gate.drafts(self.net, out, reqs.tolist())
+            tokens_out = gate.drafts(self.net, out, reqs.tolist(), self.top_k)
             for i, r in enumerate(reqs.tolist()):
-                drafts[r].append(tokens_out[i])
+                drafts[r] += tokens_out[i]
+                chain[r] = tokens_out[i][0]
                 last_hidden[r] = out[i]
 
     def _run(self, draft_pass: DraftPass, res: StepResult, hidden_in: torch.Tensor,

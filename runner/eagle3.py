@@ -46,7 +46,7 @@ from runner.models.llama import (
 )
 from spec_decode.measured import MeasuredAcceptance
 from spec_decode.passes import MASK_ROW
-from spec_decode.sampling import greedy_ids, greedy_with_confidence
+from spec_decode.sampling import greedy_ids, greedy_with_confidence, top_with_confidence
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -287,6 +287,13 @@ class Eagle3Head(nn.Module):
         """`greedy_tokens` and each draft's probability under the head's distribution
         over its draft vocabulary."""
         ids, confidence = greedy_with_confidence(self.compute_logits(hidden))
+        return self.to_target_ids(ids), confidence
+
+    def top_drafts(self, hidden: torch.Tensor, top_k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's `top_k` candidates ([N, top_k] target ids, the greedy draft first)
+        and the greedy draft's probability (a drafted tree, runner/draft_tree.py)."""
+        ids, confidence = top_with_confidence(self.compute_logits(hidden), top_k)
         return self.to_target_ids(ids), confidence
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runner.buffers import StepBuffers
+from runner.draft_tree import chain_length, row_order, tree_positions
 from runner.request_states import RequestStates
 
 
@@ -23,20 +24,30 @@ class PreparedStep:
     num_logits: int  # rows of logits to compute (1 + s per sampling request)
     max_query_len: int
     max_seq_len: int
+    # [num_reqs] drafts verified in the chain (s but for a tree's leaves: draft_tree.py)
+    num_chain: np.ndarray | None = None
+    has_leaves: bool = False
+
+    @property
+    def chain(self) -> np.ndarray:
+        return self.num_spec if self.num_chain is None else self.num_chain
 
 
-def write_spec_tokens(states: RequestStates, spec: dict[str, list[int]]) -> None:
-    """Drafts to verify sit right after the known tokens, where the chunk reads them."""
+def write_spec_tokens(states: RequestStates, spec: dict[str, list[int]],
+                      top_k: int = 1) -> None:
+    """Drafts to verify sit right after the known tokens, where the chunk reads them:
+    a tree's chain first, then its leaves (runner/draft_tree.py)."""
     for req_id, drafts in spec.items():
         row = states.row_of[req_id]
         start = states.num_tokens[row]
-        states.token_ids[row, start:start + len(drafts)] = drafts
+        states.token_ids[row, start:start + len(drafts)] = row_order(drafts, top_k)
 
 
 def prepare_inputs(states: RequestStates, buffers: StepBuffers, req_ids: list[str],
                    num_scheduled: np.ndarray, num_spec: np.ndarray,
-                   block_size: int) -> PreparedStep:
-    """Positions, token ids, slots, query starts, sequence lengths and logits rows.
+                   block_size: int, top_k: int = 1) -> PreparedStep:
+    """Positions, token ids, slots, query starts, sequence lengths and logits rows;
+    with `top_k` > 1, each draft tree's leaf positions and prefixes (draft_tree.py).
 
     Worked example: num_scheduled [2, 5, 3], computed [10, 0, 7]:
       cu_num       = [2, 7, 10]
@@ -53,11 +64,19 @@ def prepare_inputs(states: RequestStates, buffers: StepBuffers, req_ids: list[st
     req_index = np.repeat(np.arange(num_reqs), num_scheduled)
     offsets = np.arange(total) - np.repeat(starts, num_scheduled)
     computed = states.num_computed[rows]
-    positions = computed[req_index] + offsets
+    positions = computed[req_index] + offsets  # each row's place in its sequence
     token_rows = rows[req_index]
 
     buffers.positions.np[:total] = positions
     buffers.input_ids.np[:total] = states.token_ids[token_rows, positions]
+    chain, has_leaves = num_spec, False
+    if top_k > 1 and num_spec.any():
+        chain = chain_length(num_spec, top_k)
+        draft_index = offsets - (num_scheduled - num_spec)[req_index]
+        moved, tree = tree_positions(positions, num_spec[req_index], draft_index, top_k)
+        has_leaves = bool((tree >= 0).any())
+        buffers.positions.np[:total] = moved  # a leaf's rope position (its slot stays)
+        buffers.tree_prefix.np[:total] = tree
     block_ids = states.block_table[token_rows, positions // block_size]
     buffers.slot_mapping.np[:total] = block_ids * block_size + positions % block_size
     buffers.query_start_loc.np[0] = 0
@@ -67,20 +86,22 @@ def prepare_inputs(states: RequestStates, buffers: StepBuffers, req_ids: list[st
     buffers.block_table.np[:num_reqs] = states.block_table[rows]
 
     # A chunk samples when it reaches the last known token; it then reads logits at
-    # its last 1 + s rows (s drafts to verify plus the bonus position).
+    # the 1 + s rows from its last known token (s drafts to verify plus the bonus
+    # position): its last rows, but for a tree's leaves after them.
     samples = seq_lens >= states.num_tokens[rows]
-    num_logits_per_req = np.where(samples, 1 + num_spec, 0)
+    num_logits_per_req = np.where(samples, 1 + chain, 0)
     cu_logits = np.cumsum(num_logits_per_req)
     num_logits = int(cu_logits[-1]) if num_reqs else 0
     # e.g. cu_num [2, 7, 10], logits per req [1, 0, 3] -> [1, 7, 8, 9]
     logit_req = np.repeat(np.arange(num_reqs), num_logits_per_req)
     logit_offsets = np.arange(num_logits) - np.repeat(cu_logits - num_logits_per_req,
                                                       num_logits_per_req)
-    buffers.logits_indices.np[:num_logits] = (cu_num[logit_req] - num_logits_per_req[logit_req]
+    buffers.logits_indices.np[:num_logits] = (cu_num[logit_req] - 1 - num_spec[logit_req]
                                               + logit_offsets)
     return PreparedStep(
         req_ids=req_ids, rows=rows, num_scheduled=num_scheduled, num_tokens=total,
         samples=samples, num_spec=num_spec, num_logits=num_logits,
         max_query_len=int(num_scheduled.max()) if num_reqs else 0,
         max_seq_len=int(seq_lens.max()) if num_reqs else 0,
+        num_chain=chain, has_leaves=has_leaves,
     )

@@ -22,9 +22,11 @@ import torch
 from runner.attention import AttentionMetadata, get_attention_backend
 from runner.buffers import StepBuffers
 from runner.config import DTYPES, RunnerConfig, kv_bytes_per_block
+from runner.draft_tree import chain_of, compact, match_leaves
 from runner.feature_capture import FeatureCapture
 from runner.input_prep import PreparedStep, prepare_inputs, write_spec_tokens
 from runner.invariant import StepFacts, check_step
+from runner.min_tokens import before_min_tokens
 from runner.model_loader import load_model, pack_for_inference
 from runner.model_prep import resolve_model
 from runner.models.llama import LlamaForCausalLM
@@ -53,8 +55,8 @@ def device_memory_bytes(device: torch.device) -> int | None:
 
 def _logits_rows(step: PreparedStep) -> tuple[np.ndarray, np.ndarray]:
     """(first row, rows) of each sampling request's block of logits: it owns 1 + s
-    rows, in order (s = 2, 0: starts [0, 3], counts [3, 1])."""
-    counts = 1 + step.num_spec[step.samples]
+    rows, in order (s = 2, 0: starts [0, 3], counts [3, 1]); s of a tree's chain."""
+    counts = 1 + step.chain[step.samples]
     return np.concatenate(([0], np.cumsum(counts)[:-1])), counts
 
 
@@ -101,6 +103,8 @@ class ModelRunner:
                                    scheduler_config.max_num_seqs, max_blocks, self.device)
         self.states = RequestStates(scheduler_config.max_num_seqs,
                                     scheduler_config.max_model_len, max_blocks, self.device)
+        # Candidates drafted per depth: above 1, drafts are trees (runner/draft_tree.py).
+        self.top_k = speculative_config.draft_top_k if speculative_config else 1
         self.spec = (SpecDecoder(speculative_config, model, self.buffers, self.states,
                                  block_size, self.attn, scheduler_config.max_num_batched_tokens,
                                  self.model_path)
@@ -110,6 +114,7 @@ class ModelRunner:
         self.record_timings = False
         self.last_timings: dict[str, float] = {}
         self.capture: FeatureCapture | None = None  # drafter training data, if attached
+        self.leaf_hits = 0  # the last step's (ModelRunnerOutput.leaf_hits)
 
     def attach_capture(self, capture: FeatureCapture | None) -> None:
         """Keep every request's target features from now on (None: stop)."""
@@ -280,9 +285,9 @@ class ModelRunner:
         spec = out.scheduled_spec_decode_tokens
         num_spec = np.array([len(spec.get(r, ())) for r in req_ids], dtype=np.int64)
         with self._phase("prepare"):
-            write_spec_tokens(self.states, spec)
+            write_spec_tokens(self.states, spec, self.top_k)
             step = prepare_inputs(self.states, self.buffers, req_ids, n, num_spec,
-                                  self.block_size)
+                                  self.block_size, self.top_k)
             computed = self.states.num_computed[step.rows].copy()
         with self._phase("forward"):
             hidden, features = self._forward(step)
@@ -292,7 +297,7 @@ class ModelRunner:
             logits_idx = self.buffers.logits_indices.copy_to_device(step.num_logits)
             logits = self.model.compute_logits(hidden[logits_idx])  # [num_logits, V]
         with self._phase("sample"):
-            emitted, logprobs = self._sample(step, logits, spec)
+            emitted, logprobs = self._sample(step, logits, spec, hidden, features)
             result = self._record(step, computed, emitted, k, planned)
         with self._phase("draft"):
             # Timed on its own for the goodput policy's step-time model. The sampled
@@ -312,7 +317,7 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids, out_tokens, drafts, pass_rows=self.last_pass_rows,
                                  logprobs=logprobs,
                                  drafter_seconds=drafter_seconds if self.spec else None,
-                                 shadow_token_ids=shadows)
+                                 shadow_token_ids=shadows, leaf_hits=self.leaf_hits)
 
     def _forward(self, step: PreparedStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Final hidden states, and the aux features the drafter's head reads."""
@@ -329,6 +334,9 @@ class ModelRunner:
             query_start_loc_cpu=buffers.query_start_loc.np[:num_reqs + 1].tolist(),
             seq_lens_cpu=buffers.seq_lens.np[:num_reqs].tolist(),
         )
+        if step.has_leaves:
+            meta.tree_prefix = buffers.tree_prefix.copy_to_device(n)
+            meta.tree_prefix_cpu = buffers.tree_prefix.np[:n]
         input_ids = buffers.input_ids.copy_to_device(n)
         positions = buffers.positions.copy_to_device(n)
         aux_ids = (self.spec.aux_layer_ids if self.spec
@@ -336,7 +344,9 @@ class ModelRunner:
         return self.model.forward_with_aux(input_ids, positions, self.kv_caches, meta,
                                            self.attn, aux_ids)
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: np.ndarray, ahead: np.ndarray | None = None
+                           ) -> SamplingMetadata:
+        """`ahead`: tokens each row's request emits before this row's (a leaf's bonus)."""
         states = self.states
         seeds = {i: states.seeds[row] for i, row in enumerate(rows.tolist())
                  if row in states.seeds}
@@ -346,51 +356,66 @@ class ModelRunner:
             top_k=states.top_k[rows], min_p=states.min_p[rows], seeds=seeds,
             max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
             device=self.device,
-            positions=states.num_tokens[rows],  # where each row's first new token goes
+            # where each row's first new token goes
+            positions=states.num_tokens[rows] + (0 if ahead is None else ahead),
         )
 
-    def _sample(self, step: PreparedStep, logits: torch.Tensor, spec: dict[str, list[int]]
+    def _sample(self, step: PreparedStep, logits: torch.Tensor, spec: dict[str, list[int]],
+                hidden: torch.Tensor, features: torch.Tensor
                 ) -> tuple[list[list[int]], dict[str, list[Logprobs]]]:
         """Tokens emitted per sampling request (in order), and logprobs where asked."""
         rows = step.rows[step.samples]
         meta = self._sampling_metadata(rows)
-        allowed = self._before_min_tokens(step, logits)
+        starts, counts = _logits_rows(step)
+        allowed = before_min_tokens(self.states, logits, rows, starts, counts)
+        leaf_logits: dict[int, torch.Tensor] = {}
+        self.leaf_hits = 0
         if spec and self.spec is not None:
             sampling_ids = [step.req_ids[i] for i in np.flatnonzero(step.samples)]
-            emitted = self.spec.verify(sampling_ids, spec, allowed, meta)
+            chains = ({rid: chain_of(d, self.top_k) for rid, d in spec.items()}
+                      if step.has_leaves else spec)
+            emitted = self.spec.verify(sampling_ids, chains, allowed, meta)
+            if step.has_leaves:
+                leaf_logits = self._leaf_bonus(step, emitted, [spec.get(r, []) for r in
+                                                               sampling_ids], hidden, features)
         else:
             emitted = [[t] for t in self.sampler(allowed, meta).sampled_token_ids.tolist()]
-        return emitted, self._logprobs(step, logits, emitted)
+        return emitted, self._logprobs(step, logits, emitted, leaf_logits)
 
-    def _before_min_tokens(self, step: PreparedStep, logits: torch.Tensor) -> torch.Tensor:
-        """The logits with EOS and the stop token ids at -inf in every row that would
-        produce an output token before the request's min_tokens: a verification row
-        is masked exactly as the decode row at that position would be, so drafts of
-        those tokens are rejected as the target would reject them. Logprobs stay the
-        raw logits'. `logits` itself when no row needs it (a copy otherwise)."""
-        states = self.states
-        if not states.min_tokens:  # the common step: nothing to look up
-            return logits
-        rows = step.rows[step.samples].tolist()
-        pending = [(j, row) for j, row in enumerate(rows) if row in states.min_tokens]
-        if not pending:
-            return logits
-        starts, counts = _logits_rows(step)
-        masked = logits.clone()
-        for j, row in pending:
-            min_tokens, stops = states.min_tokens[row]
-            stops = [t for t in stops if t < masked.shape[1]]  # offline ids are unchecked
-            produced = int(states.num_tokens[row] - states.num_prompt[row])
-            masked_rows = min(max(min_tokens - produced, 0), int(counts[j]))
-            if masked_rows:
-                start = int(starts[j])
-                masked[start:start + masked_rows, stops] = float("-inf")
-        return masked
+    def _leaf_bonus(self, step: PreparedStep, emitted: list[list[int]],
+                    drafts: list[list[int]], hidden: torch.Tensor, features: torch.Tensor
+                    ) -> dict[int, torch.Tensor]:
+        """Where a request's recovered token matched a leaf of its tree, one more token
+        sampled from the leaf's row, appended to `emitted`; the leaf's K/V and features
+        moved to the chain's place (runner/draft_tree.py). The raw logits of each
+        matched leaf's row, by sampling index."""
+        sampling = np.flatnonzero(step.samples)
+        q_start = np.cumsum(step.num_scheduled) - step.num_scheduled
+        first_draft = q_start + step.num_scheduled - step.num_spec
+        hits = match_leaves(emitted, drafts, self.top_k, first_draft[sampling].tolist())
+        if not hits.leaf_rows:
+            return {}
+        logits = self.model.compute_logits(
+            hidden[torch.as_tensor(hits.leaf_rows, device=hidden.device)])
+        state_rows = step.rows[sampling[hits.sampling_index]]
+        ahead = np.array([len(emitted[j]) for j in hits.sampling_index], dtype=np.int64)
+        one = np.ones(len(state_rows), dtype=np.int64)
+        allowed = before_min_tokens(self.states, logits, state_rows, np.cumsum(one) - 1, one,
+                                    ahead)
+        bonus = self.sampler(allowed, self._sampling_metadata(state_rows, ahead))
+        for j, token in zip(hits.sampling_index, bonus.sampled_token_ids.tolist(),
+                            strict=True):
+            emitted[j].append(token)
+        self.leaf_hits = len(hits.leaf_rows)
+        compact(self.kv_caches, self.buffers.slot_mapping.gpu[:step.num_tokens], features, hits)
+        return dict(zip(hits.sampling_index, logits, strict=True))
 
     def _logprobs(self, step: PreparedStep, logits: torch.Tensor,
-                  emitted: list[list[int]]) -> dict[str, list[Logprobs]]:
+                  emitted: list[list[int]], leaf_logits: dict[int, torch.Tensor]
+                  ) -> dict[str, list[Logprobs]]:
         """Raw-logit logprobs of each emitted token (plus the top n), for requests that
-        asked. Emitted token j of a request comes from its j-th logits row."""
+        asked. Emitted token j of a request comes from its j-th logits row; a leaf's
+        bonus token (the last) from the leaf's row."""
         asked = self.states.num_logprobs[step.rows[step.samples]]
         if not (asked >= 0).any():
             return {}
@@ -400,9 +425,13 @@ class ModelRunner:
         for j, n in enumerate(asked.tolist()):
             if n < 0:
                 continue
-            row_ids = torch.arange(starts[j], starts[j] + len(emitted[j]), device=logits.device)
+            from_chain = len(emitted[j]) - (j in leaf_logits)
+            row_ids = torch.arange(starts[j], starts[j] + from_chain, device=logits.device)
+            rows = logits[row_ids]
+            if j in leaf_logits:
+                rows = torch.cat([rows, leaf_logits[j][None]])
             tokens = torch.tensor(emitted[j], device=logits.device)
-            lp = gather_logprobs(torch.log_softmax(logits[row_ids], dim=-1), tokens, n)
+            lp = gather_logprobs(torch.log_softmax(rows, dim=-1), tokens, n)
             result[sampling_ids[j]] = list(zip(lp.token_ids.tolist(), lp.logprobs.tolist(),
                                                strict=True))
         return result

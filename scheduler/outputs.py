@@ -105,6 +105,8 @@ class ModelRunnerOutput:
     drafter_seconds: float | None = None
     # The first draft each of `SchedulerOutput.shadow_req_ids` would have proposed.
     shadow_token_ids: dict[str, int] = field(default_factory=dict)
+    # Verifications that won a token from a drafted tree's leaf (runner/draft_tree.py).
+    leaf_hits: int = 0
 
 
 @dataclass(slots=True)  # one per request per step: keep it cheap

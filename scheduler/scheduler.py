@@ -552,6 +552,7 @@ class Scheduler:
                                             logprobs[rid][:len(new)] if rid in logprobs else []))
         self.kv.cache_full_blocks(advanced)
         self.stats.spec.record_many(verified_counts, accepted_counts)
+        self.stats.spec.num_leaf_hits += runner_output.leaf_hits
         if self.policy is not None:
             self._teach_policy(scheduler_output, runner_output, verified_counts,
                                accepted_counts, states, produced)

@@ -31,6 +31,9 @@ class SpecDecodingStats:
     # [i]: drafts verified / accepted at position i (0 = the first draft of a step).
     num_draft_tokens_per_pos: list[int] = field(default_factory=list)
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # Verifications whose last accepted token was a drafted tree's leaf, not the chain's
+    # draft (`draft_top_k` > 1); their accepted count includes it.
+    num_leaf_hits: int = 0
 
     def record(self, verified: int, accepted: int) -> None:
         if verified:
@@ -73,6 +76,7 @@ class SpecDecodingStats:
             "acceptance_per_pos": self.acceptance_per_pos,
             "num_draft_tokens_per_pos": list(self.num_draft_tokens_per_pos),
             "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+            "num_leaf_hits": self.num_leaf_hits,
         }
 
 

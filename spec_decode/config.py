@@ -41,6 +41,14 @@ class SpeculativeConfig:
     `options["min_draft_confidence"]` (chain methods: eagle, mtp, draft_model): a
     request stops drafting once the product of its drafts' probabilities falls below
     it, short of its k (runner/draft_gate.py; a trained head's default 0.25, else 0).
+
+    `options["draft_top_k"]` (chain methods; default 1): T > 1 drafts a tree, the
+    chain of greedy drafts plus, at each depth, the next T - 1 candidates as leaves
+    (runner/draft_tree.py). A request's drafts are then listed depth by depth, the
+    chain's first ([a1, b1, a2, b2, ...] for T = 2), so K counts every node, as
+    vLLM's tree does, and any prefix of the list is a tree: the scheduler's budget
+    rule, cuts and charges hold unchanged, and a leaf that matches the target's token
+    after a rejected draft wins one more token from its own row.
     """
 
     method: str
@@ -80,6 +88,8 @@ class SpeculativeConfig:
                 f"choose one of {', '.join(DRAFT_POLICIES)}"
             )
         _check_confidence(self.options)
+        if "draft_top_k" in self.spec_method.option_names:  # else: an unknown key
+            _check_top_k(self.options, self.draft_policy)
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "SpeculativeConfig needs 1 <= prompt_lookup_min <= prompt_lookup_max "
@@ -90,6 +100,14 @@ class SpeculativeConfig:
     def spec_method(self) -> SpecMethod:
         """The method's cost table, pass recipes and proposer (spec_decode/methods/)."""
         return get_method(self.method)
+
+    @property
+    def draft_top_k(self) -> int:
+        """Candidates drafted per depth (see the class docstring); 1: a chain, and for
+        every method that does not draft trees."""
+        if "draft_top_k" not in self.spec_method.option_names:
+            return 1
+        return int(self.options.get("draft_top_k", 1))
 
     @property
     def parks(self) -> bool:
@@ -126,6 +144,23 @@ def _check_confidence(options: dict[str, Any]) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
         raise ValueError("speculative_config.min_draft_confidence must be a number in "
                          f"[0, 1] (0: every chain drafts its k), got {value!r}")
+
+
+MAX_DRAFT_TOP_K = 8
+
+
+def _check_top_k(options: dict[str, Any], policy: str) -> None:
+    """`draft_top_k`: an integer in [1, MAX_DRAFT_TOP_K]; above 1, a policy whose k
+    counts list entries, not depths (goodput prices each entry as the next depth)."""
+    value = options.get("draft_top_k", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or not (
+            1 <= value <= MAX_DRAFT_TOP_K):
+        raise ValueError(f"speculative_config.draft_top_k must be an integer in "
+                         f"[1, {MAX_DRAFT_TOP_K}] (1: a chain), got {value!r}")
+    if value > 1 and policy == "goodput":
+        raise ValueError("speculative_config.draft_top_k > 1 needs draft_policy 'fixed' "
+                         "or 'fit': the goodput policy prices each draft as one depth "
+                         "further, and a tree's leaves are not")
 
 
 def min_decode_rows(config: SpeculativeConfig) -> dict[str, int]:

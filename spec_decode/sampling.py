@@ -36,6 +36,15 @@ def greedy_with_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return ids, torch.exp(values.float() - torch.logsumexp(logits.float(), dim=-1))
 
 
+def top_with_confidence(logits: torch.Tensor, top_k: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's `top_k` ids, best first ([N, top_k]; the first is `greedy_ids`'s), and
+    the best one's probability ([N] fp32, as `greedy_with_confidence`)."""
+    values, ids = torch.topk(logits, top_k, dim=-1)
+    ids[:, 0] = greedy_ids(logits)  # ties broken as the chain breaks them
+    return ids, torch.exp(values[:, 0].float() - torch.logsumexp(logits.float(), dim=-1))
+
+
 def position_seed(seed: int, position: int) -> int:
     """The seed of one request's random draws at one token position (splitmix64 of
     both, so all 64 bits of the request's seed count).

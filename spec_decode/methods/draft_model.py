@@ -13,7 +13,7 @@ from spec_decode.methods.base import PassRecipe, SpecMethod
 @register
 class DraftModelMethod(SpecMethod):
     name = "draft_model"
-    option_names = ("mask_token_id", "min_draft_confidence")
+    option_names = ("mask_token_id", "min_draft_confidence", "draft_top_k")
     drafter = "lm"
     recipes = (PassRecipe("draft", bonus=True, reads="one"),)
     sequential = True

@@ -16,7 +16,7 @@ from spec_decode.methods.base import PassRecipe, SpecMethod, TrainLayout
 @register
 class EagleMethod(SpecMethod):
     name = "eagle"
-    option_names = ("seed", "mask_token_id", "min_draft_confidence")
+    option_names = ("seed", "mask_token_id", "min_draft_confidence", "draft_top_k")
     drafter = "head"
     recipes = (PassRecipe("draft", shift=1, conditioned=True, reads="one"),)
     sequential = True

@@ -35,7 +35,11 @@ def generate(method: str | None, **options: object
              ) -> tuple[LLM, list[list[int]], list[str | None]]:
     """Every case at once, one request each (LLM.generate takes one SamplingParams for
     all its prompts; the core takes one per request)."""
-    spec = spec_dict(method, K, **options)
+    return run_cases(spec_dict(method, K, **options))
+
+
+def run_cases(spec: dict | None) -> tuple[LLM, list[list[int]], list[str | None]]:
+    """Every case under this speculative config (None: off)."""
     llm = LLM(loaded_model=default_model(), speculative_config=spec, max_model_len=MAX_LEN,
               max_num_batched_tokens=64, num_kv_blocks=64)
     for i, (p, m) in enumerate(CASES):

@@ -43,7 +43,7 @@ def test_a_chain_stops_on_the_product_of_its_drafts_probabilities() -> None:
     net = ScriptedNet([[0.9, 0.2, 0.6], [0.5, 0.9]])
     gate = ConfidenceGate(0.5)
     hidden = torch.zeros(3, 4)
-    assert gate.drafts(net, hidden, [0, 1, 2]) == [0, 1, 2]
+    assert gate.drafts(net, hidden, [0, 1, 2]) == [[0], [1], [2]]
     assert gate.still_drafting(np.array([0, 1, 2])).tolist() == [0, 2]
     gate.drafts(net, hidden[:2], [0, 2])
     # 0.9 * 0.5 = 0.45 stops request 0; a gate reading each draft alone (0.5 >= 0.5)
@@ -55,7 +55,7 @@ def test_a_chain_stops_on_the_product_of_its_drafts_probabilities() -> None:
 def test_a_zero_threshold_computes_no_probability() -> None:
     net = ScriptedNet([])
     gate = ConfidenceGate(0.0)
-    assert gate.drafts(net, torch.zeros(2, 4), [3, 5]) == [0, 1]
+    assert gate.drafts(net, torch.zeros(2, 4), [3, 5]) == [[0], [1]]
     assert net.greedy_calls == 1
     assert gate.still_drafting(np.array([3, 5])).tolist() == [3, 5]
 
@@ -164,3 +164,30 @@ def test_the_gate_skips_passes_and_changes_no_output(tmp_path: Path) -> None:
     write_published_layout(tmp_path / "head", model, [2, 15, 27])
     _, _, _, trained = served({**spec, "model": str(tmp_path / "head")})
     assert trained.engine.runner.spec.drafter.min_confidence == TRAINED_HEAD_MIN_CONFIDENCE
+
+
+@pytest.mark.parametrize("value", [0, 9, -1, 2.0, "2", True, [2]])
+def test_a_bad_tree_width_is_refused_by_name(value: object) -> None:
+    spec = {"method": "eagle", "num_speculative_tokens": 4, "draft_top_k": value,
+            "draft_policy": "fixed"}
+    with pytest.raises(ValueError, match=r"draft_top_k must be an integer in \[1, 8\]"):
+        SpeculativeConfig.from_dict(spec)
+
+
+def test_a_tree_under_goodput_is_refused_at_every_entry_point() -> None:
+    """Goodput prices each listed draft as one depth further; a tree's leaves are not.
+    Refused by `SpeculativeConfig`, the offline `LLM` and `specbudget serve`'s config;
+    fixed and fit take it."""
+    from engine.llm import LLM
+    from specbudget import cli
+
+    bad = {"method": "eagle", "num_speculative_tokens": 4, "draft_top_k": 2}
+    says = "draft_top_k > 1 needs draft_policy 'fixed' or 'fit'"
+    with pytest.raises(ValueError, match=says):
+        LLM(speculative_config=bad)
+    args = cli._parser().parse_args(["serve", "--speculative-config", json.dumps(bad)])
+    with pytest.raises(ValueError, match=says):
+        cli.engine_config_from_args(args)
+    for policy in ("fixed", "fit"):
+        assert SpeculativeConfig.from_dict({**bad, "draft_policy": policy}) is not None
+    assert SpeculativeConfig.from_dict({**bad, "draft_top_k": 1}) is not None

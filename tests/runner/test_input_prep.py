@@ -57,3 +57,35 @@ def test_no_requests_is_an_empty_step() -> None:
     step = prepare_inputs(states, buffers, [], np.zeros(0, dtype=np.int64),
                           np.zeros(0, dtype=np.int64), BLOCK)
     assert (step.num_tokens, step.num_logits, step.max_query_len) == (0, 0, 0)
+
+
+def test_a_draft_tree_s_rows() -> None:
+    """a verifies a tree of five drafts [a1 b1 a2 b2 a3] (T = 2) from position 10 after
+    its token at 9; c decodes alone. a's rows: t0 a1 a2 a3 then the leaves b1 b2, each
+    at its chain draft's position, seeing the keys before it; its logits rows are t0
+    and the chain's only (a leaf's are read where it matches)."""
+    states = states_with([("a", 10, 9, [3, 1, 4, 5]), ("c", 10, 9, [8, 0, 7])])
+    write_spec_tokens(states, {"a": [51, 61, 52, 62, 53]}, top_k=2)
+    assert states.token_ids[0, 10:15].tolist() == [51, 52, 53, 61, 62]
+    buffers = StepBuffers(16, 4, 8, torch.device("cpu"))
+    step = prepare_inputs(states, buffers, ["a", "c"], np.array([6, 1]),
+                          np.array([5, 0]), BLOCK, top_k=2)
+    total = step.num_tokens
+    assert buffers.input_ids.np[:total].tolist() == [9, 51, 52, 53, 61, 62, 109]
+    assert buffers.positions.np[:total].tolist() == [9, 10, 11, 12, 10, 11, 9]
+    assert buffers.tree_prefix.np[:total].tolist() == [-1, -1, -1, -1, 10, 11, -1]
+    # Slots follow the rows, leaves included: a's positions 9..14 in its blocks 2, 3
+    # (ids 4, 5).
+    assert buffers.slot_mapping.np[:6].tolist() == [17, 18, 19, 20, 21, 22]
+    assert step.has_leaves and step.chain.tolist() == [3, 0]
+    assert buffers.logits_indices.np[:step.num_logits].tolist() == [0, 1, 2, 3, 6]
+
+
+def test_a_chain_has_no_tree_rows() -> None:
+    states = states_with([("a", 10, 9, [3, 1, 4, 5])])
+    write_spec_tokens(states, {"a": [51, 52]})
+    buffers = StepBuffers(16, 4, 8, torch.device("cpu"))
+    step = prepare_inputs(states, buffers, ["a"], np.array([3]), np.array([2]), BLOCK)
+    assert not step.has_leaves
+    assert buffers.positions.np[:3].tolist() == [9, 10, 11]
+    assert buffers.logits_indices.np[:3].tolist() == [0, 1, 2]
