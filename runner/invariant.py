@@ -79,9 +79,9 @@ def check_step(method: SpecMethod | None, out: SchedulerOutput, req_ids: list[st
                      else facts.num_computed + n)
             bounds.append((rows.name, np.where(rows.rows > 0, first + rows.rows - 1, -1)))
         if method.sequential:
-            shift = method.recipes[0].shift
-            bounds.append(("step_*", np.where(k > 1, facts.num_computed + n + k - 1 - shift,
-                                              -1)))
+            shift, depth = method.recipes[0].shift, method.depth(k)  # a tree: its depth
+            bounds.append(("step_*", np.where(depth > 1,
+                                              facts.num_computed + n + depth - 1 - shift, -1)))
     check_pass_rows(name, max_num_batched_tokens, step.counts, out.num_drafter_tokens,
                     out.pass_rows)
     for pass_name, last_pos in bounds:

@@ -136,7 +136,7 @@ class ThrottleRule:
             return ChunkPlan(n, num_spec, k, (n,), 0, k, samples=samples)
         context = context_rows(self.parks, n, k, behind, samples)
         return ChunkPlan(n, num_spec, k, (n, *method.rows(n, k, context)),
-                         method.lookahead_slots(k), k, samples=samples)
+                         method.slots_ahead(k), k, samples=samples)
 
 
 def plan_chunk(rule: ThrottleRule, remaining: list[int], req: RequestView,

@@ -42,9 +42,10 @@ class SpeculativeConfig:
     request stops drafting once the product of its drafts' probabilities falls below
     it, short of its k (runner/draft_gate.py; a trained head's default 0.25, else 0).
 
-    `options["draft_top_k"]` (chain methods; default 1): T > 1 drafts a tree, the
+    `options["draft_top_k"]` (model methods; default 1): T > 1 drafts a tree, the
     chain of greedy drafts plus, at each depth, the next T - 1 candidates as leaves
-    (runner/draft_tree.py). A request's drafts are then listed depth by depth, the
+    (runner/draft_tree.py); the drafter's passes follow the tree's depth
+    (`SpecMethod.with_draft_width`). A request's drafts are then listed depth by depth, the
     chain's first ([a1, b1, a2, b2, ...] for T = 2), so K counts every node, as
     vLLM's tree does, and any prefix of the list is a tree: the scheduler's budget
     rule, cuts and charges hold unchanged, and a leaf that matches the target's token
@@ -88,7 +89,7 @@ class SpeculativeConfig:
                 f"choose one of {', '.join(DRAFT_POLICIES)}"
             )
         _check_confidence(self.options)
-        if "draft_top_k" in self.spec_method.option_names:  # else: an unknown key
+        if "draft_top_k" in get_method(self.method).option_names:  # else: an unknown key
             _check_top_k(self.options, self.draft_policy)
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
@@ -98,14 +99,15 @@ class SpeculativeConfig:
 
     @property
     def spec_method(self) -> SpecMethod:
-        """The method's cost table, pass recipes and proposer (spec_decode/methods/)."""
-        return get_method(self.method)
+        """The method's cost table, pass recipes and proposer (spec_decode/methods/),
+        sized for its trees where it drafts them (`draft_top_k`)."""
+        return get_method(self.method).with_draft_width(self.draft_top_k)
 
     @property
     def draft_top_k(self) -> int:
         """Candidates drafted per depth (see the class docstring); 1: a chain, and for
         every method that does not draft trees."""
-        if "draft_top_k" not in self.spec_method.option_names:
+        if "draft_top_k" not in get_method(self.method).option_names:
             return 1
         return int(self.options.get("draft_top_k", 1))
 

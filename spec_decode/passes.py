@@ -53,6 +53,7 @@ class PassRows:
     context: np.ndarray  # [R] n, or 0 for a pass without context rows
     bonus: np.ndarray  # [R] 1 for a drafting request whose recipe has a bonus row
     masks: np.ndarray  # [R] mask rows
+    reads: np.ndarray  # [R] rows read out as drafts (a depth each: a tree's T candidates)
 
     @property
     def name(self) -> str:
@@ -126,14 +127,16 @@ def assemble_rows(method: SpecMethod, n: np.ndarray, k: np.ndarray,
     """Each wide pass's segments per request, from the method's recipes; `context`:
     each request's rows in the context passes (`context_rows`; default n)."""
     drafting = (k > 0).astype(np.int64)
+    depth = method.depth(k)
     zero = np.zeros_like(n)
     ctx = n if context is None else context
     passes = []
     for recipe in method.recipes:
         masks = (zero if recipe.masks is None
-                 else drafting * np.maximum(k + recipe.masks, 0))
+                 else drafting * np.maximum(depth + recipe.masks, 0))
+        reads = {"none": zero, "one": drafting, "all": depth}[recipe.reads]
         passes.append(PassRows(recipe, ctx if recipe.context else zero,
-                               drafting if recipe.bonus else zero, masks))
+                               drafting if recipe.bonus else zero, masks, reads))
     return passes
 
 
@@ -141,7 +144,8 @@ def sequential_rows(method: SpecMethod, k: np.ndarray) -> list[int]:
     """Rows of each one-row-per-request step after the first pass (steps 1 .. k - 1)."""
     if not method.sequential:
         return []
-    return [int((k > j).sum()) for j in range(1, int(k.max(initial=0)))]
+    depth = method.depth(k)
+    return [int((depth > j).sum()) for j in range(1, int(depth.max(initial=0)))]
 
 
 @dataclass
@@ -187,7 +191,7 @@ def fill_pass(plan: PassRows, res: StepResult, token_ids: np.ndarray | None,
       kinds     = [tok, tok, mask, tok, tok]
     """
     recipe, rows = plan.recipe, plan.rows
-    c, L, k = res.computed, res.valid, res.num_draft_tokens
+    c, L = res.computed, res.valid
     context_real = res.catch_up + L if recipe.context else np.zeros_like(L)
     real = context_real + plan.bonus
     starts = c - res.catch_up if recipe.context else c + L
@@ -210,8 +214,7 @@ def fill_pass(plan: PassRows, res: StepResult, token_ids: np.ndarray | None,
     conditioned = is_tok & recipe.conditioned
     cached = conditioned & (positions < c[req_index])
     hidden_src = np.where(conditioned & ~cached, target_row, MASK_ROW)
-    num_read = {"none": np.zeros_like(k), "one": (k > 0).astype(np.int64), "all": k}
-    read = num_read[recipe.reads]
+    read = plan.reads
     # The row whose input is the bonus token (at c + L), then `read_skip` rows on.
     read_from = (c + L - recipe.shift) - starts + recipe.read_skip
     read_req = np.repeat(np.arange(num), read)

@@ -21,6 +21,7 @@ whose trained head it may serve with (`shares_head_with`).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
@@ -29,6 +30,9 @@ import numpy as np
 if TYPE_CHECKING:
     from spec_decode.proposer import TokenProposer
     from spec_decode.settings import MethodSettings
+
+
+IntLike = TypeVar("IntLike", int, np.ndarray)
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,24 @@ class SpecMethod:
     # The `SpeculativeConfig.options` keys this method's proposer or drafter reads;
     # any other key is refused, so a misspelt setting is never silently ignored.
     option_names: ClassVar[tuple[str, ...]] = ()
+    # Candidates drafted per depth: 1 drafts a chain of k; T > 1 a tree listed depth by
+    # depth (runner/draft_tree.py), whose passes are sized by its depth, not its k
+    # (`with_draft_width`).
+    draft_width: int = 1
+
+    def with_draft_width(self, width: int) -> SpecMethod:
+        """This method drafting trees of `width` candidates a depth: a list of k drafts
+        is ceil(k / width) deep, and the cost table and the recipes' mask rows, reads
+        and one-row steps follow that depth (its leaves cost target rows only)."""
+        if width == self.draft_width:
+            return self
+        tree = copy.copy(self)
+        tree.draft_width = width
+        return tree
+
+    def depth(self, k: IntLike) -> IntLike:
+        """How deep a list of k drafts goes: k for a chain, ceil(k / T) for a tree."""
+        return -(-k // self.draft_width)
 
     @property
     def pass_names(self) -> tuple[str, ...]:
@@ -133,7 +155,8 @@ class SpecMethod:
     # ---- the cost table (what the scheduler charges) -----------------------------
 
     def extra_rows(self, k: int) -> tuple[int, ...]:
-        """Rows beyond the n context rows that proposing k drafts adds to each pass."""
+        """Rows beyond the n context rows that proposing k drafts adds to each pass (k
+        a chain's drafts: a tree's depth, `rows` and `slots_ahead` convert)."""
         return tuple(0 for _ in self.recipes)
 
     def rows(self, n: int, k: int, context: int | None = None) -> tuple[int, ...]:
@@ -141,11 +164,16 @@ class SpecMethod:
         its rows in the context passes when not n (`context_rows`)."""
         ctx = n if context is None else context
         return tuple((ctx if recipe.context else 0) + extra
-                     for recipe, extra in zip(self.recipes, self.extra_rows(k)))
+                     for recipe, extra in zip(self.recipes, self.extra_rows(self.depth(k))))
 
     def lookahead_slots(self, k: int) -> int:
-        """KV slots the drafter writes beyond the chunk's last position this step."""
+        """KV slots the drafter writes beyond the chunk's last position this step, for
+        a chain of k drafts."""
         return 0
+
+    def slots_ahead(self, k: int) -> int:
+        """`lookahead_slots` for a list of k drafts (a tree's depth)."""
+        return self.lookahead_slots(self.depth(k))
 
     # ---- the proposer --------------------------------------------------------------
 
@@ -154,9 +182,6 @@ class SpecMethod:
         draft in the runner through the network their `drafter` kind names."""
         raise TypeError(f"method {self.name!r} drafts with a {self.drafter!r} drafter in the "
                         "runner, not with a token proposer")
-
-
-IntLike = TypeVar("IntLike", int, np.ndarray)
 
 
 def context_rows(parks: bool, n: IntLike, k: IntLike, behind: IntLike,

@@ -15,7 +15,7 @@ from spec_decode.methods.base import PassRecipe, SpecMethod, TrainLayout
 @register
 class DflashMethod(SpecMethod):
     name = "dflash"
-    option_names = ("seed", "mask_token_id")
+    option_names = ("seed", "mask_token_id", "draft_top_k")
     drafter = "head"
     recipes = (PassRecipe("context", conditioned=True),
                PassRecipe("query", context=False, bonus=True, masks=0, reads="all",

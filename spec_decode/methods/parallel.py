@@ -14,7 +14,7 @@ from spec_decode.methods.base import PassRecipe, SpecMethod, TrainLayout
 @register
 class ParallelMethod(SpecMethod):
     name = "parallel"
-    option_names = ("seed", "mask_token_id")
+    option_names = ("seed", "mask_token_id", "draft_top_k")
     drafter = "head"
     recipes = (PassRecipe("draft", masks=-1, shift=1, conditioned=True, reads="all"),)
     train_layout = TrainLayout(token_shift=1, later="mask", bonus=False, label_offset=1)

@@ -139,7 +139,7 @@ def test_trees_at_the_length_limits(cut_draft: Path) -> None:
     assert (tokens, reasons) == run_cases(None)[1:]
 
 
-@pytest.mark.parametrize("method", ["eagle", "mtp"])
+@pytest.mark.parametrize("method", ["eagle", "mtp", "parallel", "dflash"])
 def test_a_head_drafts_trees_losslessly(method: str) -> None:
     """A head method's tree layout through its passes (an untrained head: leaves
     rarely match, the rows and positions are what this checks)."""

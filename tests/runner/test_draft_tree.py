@@ -89,3 +89,34 @@ def test_compaction_moves_the_leaf_s_kv_and_features_only() -> None:
             assert torch.equal(flat[others], flat_old[others])
     assert features[2].tolist() == [8.0, 9.0] and features[4].tolist() == [8.0, 9.0]
     assert features[[0, 1, 3]].tolist() == [[0.0, 1.0], [2.0, 3.0], [6.0, 7.0]]
+
+
+@pytest.mark.parametrize(("method", "target", "passes", "ahead"), [
+    ("eagle", 7, {"draft": 7}, 2),  # a chain of 3 deep: two one-row steps ahead
+    ("parallel", 7, {"draft": 7 + 2}, 2),  # depth - 1 mask rows
+    ("dflash", 7, {"context": 7, "query": 3 + 1}, 4),  # the bonus and depth masks
+])
+def test_a_tree_s_passes_follow_its_depth(method: str, target: int, passes: dict[str, int],
+                                          ahead: int) -> None:
+    """Six drafts in trees of two: three deep. The target verifies all six (1 + 6 rows);
+    the drafter's mask rows, reads and lookahead slots are those of a chain of three,
+    in the scheduler's cost table and in the runner's assembled rows alike."""
+    from spec_decode import SpeculativeConfig
+    from spec_decode.config import min_decode_rows
+    from spec_decode.passes import plan_step_rows
+
+    spec = SpeculativeConfig.from_dict({"method": method, "num_speculative_tokens": 6,
+                                        "draft_top_k": 2, "draft_policy": "fixed"})
+    assert spec is not None
+    tree = spec.spec_method
+    assert tree.depth(6) == 3 and tree.depth(5) == 3 and tree.depth(1) == 1
+    assert min_decode_rows(spec) == {"target": target, **passes}
+    assert tree.slots_ahead(6) == ahead
+    built = plan_step_rows(tree, np.array([7]), np.array([6]))
+    assert {name: rows for name, rows in built.counts.items()
+            if not name.startswith("step_")} == {"target": 7, **passes}
+    assert [rows.reads.tolist() for rows in built.passes][-1] == [1 if method == "eagle" else 3]
+    # The chain method's registered singleton is untouched.
+    from spec_decode import get_method
+
+    assert get_method(method).depth(6) == 6

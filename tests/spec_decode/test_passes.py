@@ -39,7 +39,8 @@ def token_table(length: int = 16) -> np.ndarray:
 def test_the_docstring_example() -> None:
     """rows [3, 2], real [2, 2], masks [1, 0], starts [5, 0]."""
     recipe = PassRecipe("p", conditioned=True, reads="all")
-    rows = PassRows(recipe, context=A([2, 2]), bonus=A([0, 0]), masks=A([1, 0]))
+    rows = PassRows(recipe, context=A([2, 2]), bonus=A([0, 0]), masks=A([1, 0]),
+                    reads=A([1, 0]))
     out = fill_pass(rows, result(c=[5, 0], n=[2, 2], valid=[2, 2], k=[1, 0]), token_table(),
                     MASK)
     assert out.req_index.tolist() == [0, 0, 0, 1, 1]
