@@ -1,9 +1,10 @@
 """Drafted token trees: a chain of greedy drafts plus leaves, verified in one pass.
 
-With `draft_top_k` = T > 1 (spec_decode/config.py), a drafter lists a request's drafts
-depth by depth: at depth d, first the chain's draft a_d (the drafter's greedy token,
-fed on to the next depth), then the next T - 1 candidates as leaves. The list is what
-the scheduler schedules and charges, so its length is K and any prefix of it is a tree.
+With `draft_top_k` (spec_decode/config.py), a drafter lists a request's drafts depth
+by depth (spec_decode/tree_shape.py): at depth d, first the chain's draft a_d (the
+drafter's greedy token, fed on to the next depth), then the next candidates as
+leaves. The list is what the scheduler schedules and charges, so its length is K and
+any prefix of it is a tree.
 
 The target pass lays a request's draft rows out as the chain, then the leaves:
 
@@ -32,41 +33,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-
-def chain_of(drafts: list[int], top_k: int) -> list[int]:
-    """The chain's drafts (list entries at multiples of T)."""
-    return drafts[::top_k]
-
-
-def row_order(drafts: list[int], top_k: int) -> list[int]:
-    """The list's drafts in target-pass row order: the chain, then the leaves."""
-    if top_k == 1:
-        return drafts
-    return drafts[::top_k] + [t for i, t in enumerate(drafts) if i % top_k]
-
-
-def chain_length(num_drafts: np.ndarray, top_k: int) -> np.ndarray:
-    """Chain drafts of lists of these lengths: ceil(s / T)."""
-    return -(-num_drafts // top_k)
-
-
-def leaf_depths(num_drafts: np.ndarray, draft_index: np.ndarray, top_k: int) -> np.ndarray:
-    """The depth (1-based) of each draft row, given its index among its request's
-    draft rows in row order; 0 for a chain row."""
-    chain = chain_length(num_drafts, top_k)
-    j = draft_index - chain  # index among the leaves
-    listed = j + j // max(top_k - 1, 1) + 1  # the leaf's index in the list
-    return np.where(j >= 0, listed // top_k + 1, 0)
+from spec_decode.tree_shape import TreeShape
 
 
 def tree_positions(positions: np.ndarray, num_drafts: np.ndarray, draft_index: np.ndarray,
-                   top_k: int) -> tuple[np.ndarray, np.ndarray]:
+                   shape: TreeShape) -> tuple[np.ndarray, np.ndarray]:
     """Each row's position and tree prefix (-1 but for leaves), given its sequence
     position, its request's draft count and its index among the draft rows (negative
     for the rows before them). A leaf of depth d sits at a_d's position: its row less
     the chain rows after a_d and the leaves before it."""
-    depth = np.where(draft_index >= 0, leaf_depths(num_drafts, draft_index, top_k), 0)
-    leaf = depth > 0
+    chain = shape.depth(num_drafts)
+    leaf = draft_index >= chain
+    ordinal = np.where(leaf, draft_index - chain, 0)
+    depth = np.where(leaf, shape.leaf_depth[np.minimum(ordinal, len(shape.leaf_depth) - 1)]
+                     if len(shape.leaf_depth) else 0, 0)
     first_draft = positions - draft_index
     moved = np.where(leaf, first_draft + depth - 1, positions)
     return moved, np.where(leaf, moved, -1).astype(np.int32)
@@ -81,7 +61,7 @@ class LeafHits:
     chain_rows: list[int]  # the row of the chain draft it replaces (a_d's)
 
 
-def match_leaves(emitted: list[list[int]], drafts: list[list[int]], top_k: int,
+def match_leaves(emitted: list[list[int]], drafts: list[list[int]], shape: TreeShape,
                  first_draft_rows: list[int]) -> LeafHits:
     """For each sampling request (its emitted tokens after the chain's walk, its draft
     list, and the target-pass row of its first draft), the leaf its recovered token
@@ -89,18 +69,16 @@ def match_leaves(emitted: list[list[int]], drafts: list[list[int]], top_k: int,
     matches nothing."""
     hits = LeafHits([], [], [])
     for j, (tokens, listed) in enumerate(zip(emitted, drafts, strict=True)):
-        chain = len(chain_of(listed, top_k))
+        chain = shape.depth(len(listed))
         depth = len(tokens)  # the rejected draft's depth, when one was
         if not listed or depth > chain:
             continue
-        leaves = listed[(depth - 1) * top_k + 1:depth * top_k]
+        first, leaves = shape.leaves_at(listed, depth)
         if tokens[-1] not in leaves:
             continue
-        listed_index = (depth - 1) * top_k + 1 + leaves.index(tokens[-1])
-        # Leaves before it in row order: every non-chain list entry before it.
-        before = listed_index - (listed_index // top_k + 1)
+        ordinal = shape.leaf_ordinal(first + leaves.index(tokens[-1]))
         hits.sampling_index.append(j)
-        hits.leaf_rows.append(first_draft_rows[j] + chain + before)
+        hits.leaf_rows.append(first_draft_rows[j] + chain + ordinal)
         hits.chain_rows.append(first_draft_rows[j] + depth - 1)
     return hits
 

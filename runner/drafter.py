@@ -22,7 +22,6 @@ from runner.buffers import StepBuffers
 from runner.config import kv_bytes_per_block
 from runner.draft_gate import ConfidenceGate
 from runner.draft_models import DraftLM, KVCache
-from runner.draft_tree import chain_length
 from runner.eagle3 import Eagle3Config, Eagle3Head, load_eagle3, trained_head_dir
 from runner.invariant import check_filled
 from runner.model_loader import load_model
@@ -169,8 +168,8 @@ class ModelDrafter:
         self.method = spec.spec_method
         # Where a chain stops short of its k (runner/draft_gate.py); 0: never.
         self.min_confidence = min_confidence
-        # Candidates per depth (a drafted tree above 1: runner/draft_tree.py).
-        self.top_k = spec.draft_top_k
+        # Candidates per depth (a drafted tree: runner/draft_tree.py).
+        self.shape = spec.tree_shape
         self.parks = spec.parks
         self.net = net
         self.buffers, self.states, self.block_size, self.attn = buffers, states, block_size, attn
@@ -311,7 +310,7 @@ class ModelDrafter:
             read = self._run(draft_pass, res, target_features)
             if read is not None:
                 reqs = draft_pass.req_index[draft_pass.readout].tolist()
-                tokens = gate.drafts(self.net, read, reqs, self.top_k)
+                tokens = gate.drafts(self.net, read, reqs, self._widths(reqs))
                 for req, candidates, h in zip(reqs, tokens, read, strict=True):
                     drafts[req] += candidates
                     chain[req] = candidates[0]
@@ -320,11 +319,23 @@ class ModelDrafter:
             self._sequential(res, drafts, chain, last_hidden, gate)
         return drafts
 
+    def _widths(self, reqs: list[int]) -> list[int] | None:
+        """Candidates each readout row lists: a request's readout rows read its depths
+        in order from the first (None: a chain's one each)."""
+        if self.shape.is_chain:
+            return None
+        widths, depth, last = [], 0, -1
+        for req in reqs:
+            depth = depth + 1 if req == last else 1
+            last = req
+            widths.append(self.shape.width(depth))
+        return widths
+
     def _sequential(self, res: StepResult, drafts: dict[int, list[int]], chain: dict[int, int],
                     last_hidden: dict[int, torch.Tensor], gate: ConfidenceGate) -> None:
         """Up to k - 1 one-row steps (a tree's depth - 1): each drafting request feeds
         its newest greedy draft back, while the gate lets its chain go on."""
-        depth = chain_length(res.num_draft_tokens, self.top_k)
+        depth = self.shape.depth(res.num_draft_tokens)
         for j in range(1, int(depth.max(initial=0))):
             reqs = gate.still_drafting(np.flatnonzero(depth > j))
             if not len(reqs):
@@ -341,7 +352,9 @@ class ModelDrafter:
             hidden = torch.stack([last_hidden[int(r)] for r in reqs])
             out = self._run(step, res, hidden, direct_hidden=True)
             assert out is not None
-            tokens_out = gate.drafts(self.net, out, reqs.tolist(), self.top_k)
+            tokens_out = gate.drafts(self.net, out, reqs.tolist(),
+                                     None if self.shape.is_chain
+                                     else [self.shape.width(j + 1)] * len(reqs))
             for i, r in enumerate(reqs.tolist()):
                 drafts[r] += tokens_out[i]
                 chain[r] = tokens_out[i][0]

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from runner.buffers import StepBuffers
-from runner.draft_tree import chain_length, row_order, tree_positions
+from runner.draft_tree import tree_positions
 from runner.request_states import RequestStates
+from spec_decode.tree_shape import TreeShape
 
 
 @dataclass
@@ -34,20 +35,21 @@ class PreparedStep:
 
 
 def write_spec_tokens(states: RequestStates, spec: dict[str, list[int]],
-                      top_k: int = 1) -> None:
+                      shape: TreeShape | None = None) -> None:
     """Drafts to verify sit right after the known tokens, where the chunk reads them:
     a tree's chain first, then its leaves (runner/draft_tree.py)."""
     for req_id, drafts in spec.items():
         row = states.row_of[req_id]
         start = states.num_tokens[row]
-        states.token_ids[row, start:start + len(drafts)] = row_order(drafts, top_k)
+        states.token_ids[row, start:start + len(drafts)] = (
+            drafts if shape is None else shape.row_order(drafts))
 
 
 def prepare_inputs(states: RequestStates, buffers: StepBuffers, req_ids: list[str],
                    num_scheduled: np.ndarray, num_spec: np.ndarray,
-                   block_size: int, top_k: int = 1) -> PreparedStep:
+                   block_size: int, shape: TreeShape | None = None) -> PreparedStep:
     """Positions, token ids, slots, query starts, sequence lengths and logits rows;
-    with `top_k` > 1, each draft tree's leaf positions and prefixes (draft_tree.py).
+    with a tree `shape`, each draft tree's leaf positions and prefixes (draft_tree.py).
 
     Worked example: num_scheduled [2, 5, 3], computed [10, 0, 7]:
       cu_num       = [2, 7, 10]
@@ -70,10 +72,10 @@ def prepare_inputs(states: RequestStates, buffers: StepBuffers, req_ids: list[st
     buffers.positions.np[:total] = positions
     buffers.input_ids.np[:total] = states.token_ids[token_rows, positions]
     chain, has_leaves = num_spec, False
-    if top_k > 1 and num_spec.any():
-        chain = chain_length(num_spec, top_k)
+    if shape is not None and not shape.is_chain and num_spec.any():
+        chain = shape.depth(num_spec)
         draft_index = offsets - (num_scheduled - num_spec)[req_index]
-        moved, tree = tree_positions(positions, num_spec[req_index], draft_index, top_k)
+        moved, tree = tree_positions(positions, num_spec[req_index], draft_index, shape)
         has_leaves = bool((tree >= 0).any())
         buffers.positions.np[:total] = moved  # a leaf's rope position (its slot stays)
         buffers.tree_prefix.np[:total] = tree

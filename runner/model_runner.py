@@ -22,7 +22,7 @@ import torch
 from runner.attention import AttentionMetadata, get_attention_backend
 from runner.buffers import StepBuffers
 from runner.config import DTYPES, RunnerConfig, kv_bytes_per_block
-from runner.draft_tree import chain_of, compact, match_leaves
+from runner.draft_tree import compact, match_leaves
 from runner.feature_capture import FeatureCapture
 from runner.input_prep import PreparedStep, prepare_inputs, write_spec_tokens
 from runner.invariant import StepFacts, check_step
@@ -103,8 +103,8 @@ class ModelRunner:
                                    scheduler_config.max_num_seqs, max_blocks, self.device)
         self.states = RequestStates(scheduler_config.max_num_seqs,
                                     scheduler_config.max_model_len, max_blocks, self.device)
-        # Candidates drafted per depth: above 1, drafts are trees (runner/draft_tree.py).
-        self.top_k = speculative_config.draft_top_k if speculative_config else 1
+        # The drafts' tree (a chain unless `draft_top_k` says otherwise: draft_tree.py).
+        self.shape = speculative_config.tree_shape if speculative_config else None
         self.spec = (SpecDecoder(speculative_config, model, self.buffers, self.states,
                                  block_size, self.attn, scheduler_config.max_num_batched_tokens,
                                  self.model_path)
@@ -285,9 +285,9 @@ class ModelRunner:
         spec = out.scheduled_spec_decode_tokens
         num_spec = np.array([len(spec.get(r, ())) for r in req_ids], dtype=np.int64)
         with self._phase("prepare"):
-            write_spec_tokens(self.states, spec, self.top_k)
+            write_spec_tokens(self.states, spec, self.shape)
             step = prepare_inputs(self.states, self.buffers, req_ids, n, num_spec,
-                                  self.block_size, self.top_k)
+                                  self.block_size, self.shape)
             computed = self.states.num_computed[step.rows].copy()
         with self._phase("forward"):
             hidden, features = self._forward(step)
@@ -372,8 +372,9 @@ class ModelRunner:
         self.leaf_hits = 0
         if spec and self.spec is not None:
             sampling_ids = [step.req_ids[i] for i in np.flatnonzero(step.samples)]
-            chains = ({rid: chain_of(d, self.top_k) for rid, d in spec.items()}
-                      if step.has_leaves else spec)
+            shape = self.shape
+            chains = ({rid: shape.chain_of(d) for rid, d in spec.items()}
+                      if step.has_leaves and shape is not None else spec)
             emitted = self.spec.verify(sampling_ids, chains, allowed, meta)
             if step.has_leaves:
                 leaf_logits = self._leaf_bonus(step, emitted, [spec.get(r, []) for r in
@@ -392,7 +393,8 @@ class ModelRunner:
         sampling = np.flatnonzero(step.samples)
         q_start = np.cumsum(step.num_scheduled) - step.num_scheduled
         first_draft = q_start + step.num_scheduled - step.num_spec
-        hits = match_leaves(emitted, drafts, self.top_k, first_draft[sampling].tolist())
+        assert self.shape is not None
+        hits = match_leaves(emitted, drafts, self.shape, first_draft[sampling].tolist())
         if not hits.leaf_rows:
             return {}
         logits = self.model.compute_logits(

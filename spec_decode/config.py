@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from spec_decode.methods import SpecMethod, get_method, method_names
+from spec_decode.tree_shape import TreeShape
 
 METHODS = method_names()  # the methods shipped here; the registry may hold more
 DRAFT_POLICIES = ("goodput", "fixed", "fit")
@@ -101,15 +103,16 @@ class SpeculativeConfig:
     def spec_method(self) -> SpecMethod:
         """The method's cost table, pass recipes and proposer (spec_decode/methods/),
         sized for its trees where it drafts them (`draft_top_k`)."""
-        return get_method(self.method).with_draft_width(self.draft_top_k)
+        return get_method(self.method).drafting_trees(self.tree_shape)
 
     @property
-    def draft_top_k(self) -> int:
-        """Candidates drafted per depth (see the class docstring); 1: a chain, and for
-        every method that does not draft trees."""
+    def tree_shape(self) -> TreeShape:
+        """The drafts' tree (see the class docstring): a chain unless `draft_top_k` says
+        otherwise, and for every method that does not draft trees."""
+        widths = self.options.get("draft_top_k", 1)
         if "draft_top_k" not in get_method(self.method).option_names:
-            return 1
-        return int(self.options.get("draft_top_k", 1))
+            widths = 1
+        return tree_shape(widths, self.num_speculative_tokens)
 
     @property
     def parks(self) -> bool:
@@ -149,17 +152,34 @@ def _check_confidence(options: dict[str, Any]) -> None:
 
 
 MAX_DRAFT_TOP_K = 8
+MAX_TREE_DEPTHS = 16
+
+
+@functools.cache
+def _shape(widths: tuple[int, ...], max_entries: int) -> TreeShape:
+    return TreeShape(widths, max_entries)
+
+
+def tree_shape(widths: int | list[int] | tuple[int, ...], max_entries: int) -> TreeShape:
+    """The TreeShape `draft_top_k` names (one per config: they are built once)."""
+    return _shape(tuple(widths) if isinstance(widths, list | tuple) else (widths,),
+                  max_entries)
 
 
 def _check_top_k(options: dict[str, Any], policy: str) -> None:
-    """`draft_top_k`: an integer in [1, MAX_DRAFT_TOP_K]; above 1, a policy whose k
+    """`draft_top_k`: an integer in [1, MAX_DRAFT_TOP_K], or a list of them, one per
+    depth from the first (the last for every deeper one); a tree needs a policy whose k
     counts list entries, not depths (goodput prices each entry as the next depth)."""
     value = options.get("draft_top_k", 1)
-    if isinstance(value, bool) or not isinstance(value, int) or not (
-            1 <= value <= MAX_DRAFT_TOP_K):
+    widths = value if isinstance(value, list) and 0 < len(value) <= MAX_TREE_DEPTHS else [
+        value]
+    if any(isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_DRAFT_TOP_K
+           for w in widths):
         raise ValueError(f"speculative_config.draft_top_k must be an integer in "
-                         f"[1, {MAX_DRAFT_TOP_K}] (1: a chain), got {value!r}")
-    if value > 1 and policy == "goodput":
+                         f"[1, {MAX_DRAFT_TOP_K}] (1: a chain), or a list of 1 to "
+                         f"{MAX_TREE_DEPTHS} of them (one per depth, the last for every "
+                         f"deeper one), got {value!r}")
+    if max(widths) > 1 and policy == "goodput":
         raise ValueError("speculative_config.draft_top_k > 1 needs draft_policy 'fixed' "
                          "or 'fit': the goodput policy prices each draft as one depth "
                          "further, and a tree's leaves are not")

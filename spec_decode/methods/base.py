@@ -30,6 +30,7 @@ import numpy as np
 if TYPE_CHECKING:
     from spec_decode.proposer import TokenProposer
     from spec_decode.settings import MethodSettings
+    from spec_decode.tree_shape import TreeShape
 
 
 IntLike = TypeVar("IntLike", int, np.ndarray)
@@ -110,24 +111,23 @@ class SpecMethod:
     # The `SpeculativeConfig.options` keys this method's proposer or drafter reads;
     # any other key is refused, so a misspelt setting is never silently ignored.
     option_names: ClassVar[tuple[str, ...]] = ()
-    # Candidates drafted per depth: 1 drafts a chain of k; T > 1 a tree listed depth by
-    # depth (runner/draft_tree.py), whose passes are sized by its depth, not its k
-    # (`with_draft_width`).
-    draft_width: int = 1
+    # The trees it drafts (spec_decode/tree_shape.py); None: chains of k. A tree's
+    # passes are sized by its depth, not its k (`drafting_trees`).
+    tree: TreeShape | None = None
 
-    def with_draft_width(self, width: int) -> SpecMethod:
-        """This method drafting trees of `width` candidates a depth: a list of k drafts
-        is ceil(k / width) deep, and the cost table and the recipes' mask rows, reads
-        and one-row steps follow that depth (its leaves cost target rows only)."""
-        if width == self.draft_width:
+    def drafting_trees(self, shape: TreeShape) -> SpecMethod:
+        """This method drafting trees of `shape`: a list of k drafts is
+        `shape.depth(k)` deep, and the cost table and the recipes' mask rows, reads and
+        one-row steps follow that depth (its leaves cost target rows only)."""
+        if shape.is_chain:
             return self
         tree = copy.copy(self)
-        tree.draft_width = width
+        tree.tree = shape
         return tree
 
     def depth(self, k: IntLike) -> IntLike:
-        """How deep a list of k drafts goes: k for a chain, ceil(k / T) for a tree."""
-        return -(-k // self.draft_width)
+        """How deep a list of k drafts goes: k for a chain."""
+        return k if self.tree is None else self.tree.depth(k)
 
     @property
     def pass_names(self) -> tuple[str, ...]:

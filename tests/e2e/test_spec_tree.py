@@ -47,12 +47,15 @@ def cut_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def tree_spec(draft: Path | None, top_k: int, depth: int = 3,
+def tree_spec(draft: Path | None, top_k: int | list[int], depth: int = 3,
               **extra: Any) -> dict[str, Any] | None:
+    """Trees of `depth` (widths per depth from a list, its last repeating)."""
     if draft is None:
         return None
+    widths = top_k if isinstance(top_k, list) else [top_k]
+    k = sum(widths[min(d, len(widths) - 1)] for d in range(depth))
     return {"method": "draft_model", "model": str(draft), "draft_policy": "fixed",
-            "num_speculative_tokens": top_k * depth, "draft_top_k": top_k, **extra}
+            "num_speculative_tokens": k, "draft_top_k": top_k, **extra}
 
 
 def generate(spec: dict[str, Any] | None, prompts: list[str], params: SamplingParams,
@@ -78,10 +81,10 @@ def off(prompts: int, params: SamplingParams) -> list[Any]:
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 
 
-@pytest.mark.parametrize("top_k", [2, 3])
+@pytest.mark.parametrize("top_k", [2, 3, [4, 2, 1]], ids=str)
 @pytest.mark.parametrize("concurrency", [1, 16])
-def test_greedy_trees_equal_speculation_off_and_win_leaves(cut_draft: Path, top_k: int,
-                                                            concurrency: int) -> None:
+def test_greedy_trees_equal_speculation_off_and_win_leaves(
+        cut_draft: Path, top_k: int | list[int], concurrency: int) -> None:
     """B = 64 chunks the longer prompts and mixes them with verifications."""
     got, spec = generate(tree_spec(cut_draft, top_k), PROMPTS[:concurrency], GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in off(concurrency, GREEDY)]
@@ -144,7 +147,7 @@ def test_a_head_drafts_trees_losslessly(method: str) -> None:
     """A head method's tree layout through its passes (an untrained head: leaves
     rarely match, the rows and positions are what this checks)."""
     spec = {"method": method, "model": "random", "num_speculative_tokens": 6,
-            "draft_top_k": 2, "draft_policy": "fixed"}
+            "draft_top_k": [3, 2], "draft_policy": "fixed"}
     got, metrics = generate(spec, PROMPTS[:4], GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in off(4, GREEDY)]
     assert metrics["num_draft_tokens"] > 0

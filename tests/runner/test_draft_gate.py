@@ -166,12 +166,20 @@ def test_the_gate_skips_passes_and_changes_no_output(tmp_path: Path) -> None:
     assert trained.engine.runner.spec.drafter.min_confidence == TRAINED_HEAD_MIN_CONFIDENCE
 
 
-@pytest.mark.parametrize("value", [0, 9, -1, 2.0, "2", True, [2]])
+@pytest.mark.parametrize("value", [0, 9, -1, 2.0, "2", True, [], [2, 0], [9], [True],
+                                   [2] * 17, {"depth": 2}])
 def test_a_bad_tree_width_is_refused_by_name(value: object) -> None:
     spec = {"method": "eagle", "num_speculative_tokens": 4, "draft_top_k": value,
             "draft_policy": "fixed"}
     with pytest.raises(ValueError, match=r"draft_top_k must be an integer in \[1, 8\]"):
         SpeculativeConfig.from_dict(spec)
+
+
+def test_widths_per_depth_are_taken() -> None:
+    spec = SpeculativeConfig.from_dict({"method": "eagle", "num_speculative_tokens": 8,
+                                        "draft_top_k": [4, 2], "draft_policy": "fixed"})
+    assert spec is not None
+    assert spec.tree_shape.widths == (4, 2) and spec.spec_method.depth(8) == 3
 
 
 def test_a_tree_under_goodput_is_refused_at_every_entry_point() -> None:

@@ -6,39 +6,36 @@ import numpy as np
 import pytest
 import torch
 
-from runner.draft_tree import (
-    chain_of,
-    compact,
-    leaf_depths,
-    match_leaves,
-    row_order,
-    tree_positions,
-)
+from runner.draft_tree import compact, match_leaves, tree_positions
+from spec_decode.tree_shape import TreeShape
+
+
+def shape(*widths: int, entries: int = 16) -> TreeShape:
+    return TreeShape(widths, entries)
 
 
 def test_rows_hold_the_chain_then_the_leaves() -> None:
     listed = [10, 11, 20, 21, 30]  # a1 b1 a2 b2 a3 (T = 2)
-    assert chain_of(listed, 2) == [10, 20, 30]
-    assert row_order(listed, 2) == [10, 20, 30, 11, 21]
+    assert shape(2).chain_of(listed) == [10, 20, 30]
+    assert shape(2).row_order(listed) == [10, 20, 30, 11, 21]
     three = [10, 11, 12, 20, 21]  # a1 b1 c1 a2 b2 (T = 3)
-    assert row_order(three, 3) == [10, 20, 11, 12, 21]
-    assert row_order(listed, 1) == listed
+    assert shape(3).row_order(three) == [10, 20, 11, 12, 21]
+    assert shape(1).row_order(listed) == listed and shape(1).chain_of(listed) == listed
+    # Widths per depth: 3 at the first, 2 after: a1 b1 c1 a2 b2 a3 b3.
+    wide = [10, 11, 12, 20, 21, 30, 31]
+    assert shape(3, 2).chain_of(wide) == [10, 20, 30]
+    assert shape(3, 2).row_order(wide) == [10, 20, 30, 11, 12, 21, 31]
 
 
-@pytest.mark.parametrize(("top_k", "num", "depths"), [
-    (2, 5, [0, 0, 0, 1, 2]),  # a1 a2 a3 | b1 b2
-    (2, 6, [0, 0, 0, 1, 2, 3]),
-    (3, 5, [0, 0, 1, 1, 2]),  # a1 a2 | b1 c1 b2
-    (3, 7, [0, 0, 0, 1, 1, 2, 2]),
-    (2, 1, [0]),
+@pytest.mark.parametrize(("widths", "k", "depth"), [
+    ((2,), 5, 3), ((2,), 6, 3), ((3,), 5, 2), ((3,), 7, 3), ((2,), 1, 1), ((1,), 5, 5),
+    ((4, 2), 4, 1), ((4, 2), 5, 2), ((4, 2), 7, 3), ((4, 2, 1), 8, 4), ((2,), 0, 0),
 ])
-def test_each_leaf_knows_its_depth(top_k: int, num: int, depths: list[int]) -> None:
-    index = np.arange(num)
-    assert leaf_depths(np.full(num, num), index, top_k).tolist() == depths
-    # Its depth is the one its list entry holds.
-    listed = list(range(num))
-    ordered = row_order(listed, top_k)
-    assert [0 if i % top_k == 0 else i // top_k + 1 for i in ordered] == depths
+def test_a_list_s_depth(widths: tuple[int, ...], k: int, depth: int) -> None:
+    tree = shape(*widths)
+    assert tree.depth(k) == depth
+    assert tree.depth(np.array([k, k])).tolist() == [depth, depth]
+    assert len(tree.chain_of(list(range(k)))) == depth
 
 
 def test_a_leaf_takes_its_chain_draft_s_position_and_prefix() -> None:
@@ -47,9 +44,14 @@ def test_a_leaf_takes_its_chain_draft_s_position_and_prefix() -> None:
     positions = np.array([3, 7, 8, 9, 10, 11, 12])
     drafts = np.array([0, 5, 5, 5, 5, 5, 5])
     index = np.array([-1, -1, 0, 1, 2, 3, 4])
-    moved, prefix = tree_positions(positions, drafts, index, 2)
+    moved, prefix = tree_positions(positions, drafts, index, shape(2))
     assert moved.tolist() == [3, 7, 8, 9, 10, 8, 9]
     assert prefix.tolist() == [-1, -1, -1, -1, -1, 8, 9]
+    # Widths (3, 2), six drafts a1 b1 c1 a2 b2 a3: rows a1 a2 a3 | b1 c1 b2.
+    moved, prefix = tree_positions(np.arange(7, 14), np.full(7, 6), np.arange(-1, 6),
+                                   shape(3, 2))
+    assert moved.tolist() == [7, 8, 9, 10, 8, 8, 9]
+    assert prefix.tolist() == [-1, -1, -1, -1, 8, 8, 9]
 
 
 def test_a_recovered_token_that_matches_a_leaf_names_its_rows() -> None:
@@ -58,17 +60,23 @@ def test_a_recovered_token_that_matches_a_leaf_names_its_rows() -> None:
     # Request 3 (T = 2, drafts a1 b1): a1 rejected, recovered 11 = b1.
     drafts = [[10, 11, 20, 21, 30, 31], [10, 11], [10, 11, 20], [10, 11]]
     emitted = [[10, 21], [99], [10, 20, 5], [11]]
-    hits = match_leaves(emitted, drafts, 2, [1, 20, 30, 40])
+    hits = match_leaves(emitted, drafts, shape(2), [1, 20, 30, 40])
     assert hits.sampling_index == [0, 3]
     # Request 0's rows from 1: a1 a2 a3 (1-3), b1 b2 b3 (4-6): b2 at 5 replaces a2 at 2.
     assert hits.leaf_rows == [5, 41] and hits.chain_rows == [2, 40]
 
 
-def test_top_three_leaves_are_matched_by_rank() -> None:
+def test_leaves_are_matched_by_rank_and_depth() -> None:
     drafts = [[10, 11, 12, 20, 21, 22]]  # rows a1 a2 | b1 c1 b2 c2
-    hits = match_leaves([[10, 22]], drafts, 3, [0])
+    hits = match_leaves([[10, 22]], drafts, shape(3), [0])
     assert hits.leaf_rows == [5] and hits.chain_rows == [1]
-    assert not match_leaves([[10, 20, 7]], drafts, 3, [0]).leaf_rows
+    assert not match_leaves([[10, 20, 7]], drafts, shape(3), [0]).leaf_rows
+    # Widths (3, 2): a1 b1 c1 a2 b2 a3 b3 -> rows a1 a2 a3 | b1 c1 b2 b3; c1 at row 4.
+    wide = [[10, 11, 12, 20, 21, 30, 31]]
+    hits = match_leaves([[12]], wide, shape(3, 2), [0])
+    assert hits.leaf_rows == [4] and hits.chain_rows == [0]
+    hits = match_leaves([[10, 20, 31]], wide, shape(3, 2), [0])
+    assert hits.leaf_rows == [6] and hits.chain_rows == [2]
 
 
 def test_compaction_moves_the_leaf_s_kv_and_features_only() -> None:
@@ -78,7 +86,7 @@ def test_compaction_moves_the_leaf_s_kv_and_features_only() -> None:
     slots = torch.tensor([6, 1, 4, 2, 7])  # rows 0-4 at these cache slots
     features = torch.arange(10.).view(5, 2)
     # Rows t0 a1 a2 b1 b2 from 0: a2 rejected, recovered 21 = b2 (row 4 -> a2's row 2).
-    hits = match_leaves([[9, 21]], [[9, 8, 20, 21]], 2, [1])
+    hits = match_leaves([[9, 21]], [[9, 8, 20, 21]], shape(2), [1])
     assert hits.leaf_rows == [4] and hits.chain_rows == [2]
     compact(caches, slots, features, hits)
     for (key, value), (key0, value0) in zip(caches, before, strict=True):

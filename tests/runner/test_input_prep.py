@@ -9,6 +9,7 @@ from runner.buffers import StepBuffers
 from runner.input_prep import prepare_inputs, write_spec_tokens
 from runner.request_states import RequestStates
 from scheduler import NewRequestData, SamplingParams
+from spec_decode.tree_shape import TreeShape
 
 BLOCK = 4
 
@@ -65,11 +66,11 @@ def test_a_draft_tree_s_rows() -> None:
     at its chain draft's position, seeing the keys before it; its logits rows are t0
     and the chain's only (a leaf's are read where it matches)."""
     states = states_with([("a", 10, 9, [3, 1, 4, 5]), ("c", 10, 9, [8, 0, 7])])
-    write_spec_tokens(states, {"a": [51, 61, 52, 62, 53]}, top_k=2)
+    write_spec_tokens(states, {"a": [51, 61, 52, 62, 53]}, TreeShape((2,), 8))
     assert states.token_ids[0, 10:15].tolist() == [51, 52, 53, 61, 62]
     buffers = StepBuffers(16, 4, 8, torch.device("cpu"))
     step = prepare_inputs(states, buffers, ["a", "c"], np.array([6, 1]),
-                          np.array([5, 0]), BLOCK, top_k=2)
+                          np.array([5, 0]), BLOCK, TreeShape((2,), 8))
     total = step.num_tokens
     assert buffers.input_ids.np[:total].tolist() == [9, 51, 52, 53, 61, 62, 109]
     assert buffers.positions.np[:total].tolist() == [9, 10, 11, 12, 10, 11, 9]
