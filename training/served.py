@@ -35,8 +35,9 @@ def _engine(model: LlamaForCausalLM, spec: dict[str, Any] | None) -> LLM:
 
 
 def _spec_counts(before: dict[str, Any], after: dict[str, Any]
-                 ) -> tuple[list[int], list[int], int]:
-    """Drafts made and accepted per position, and drafts, between two metric reads."""
+                 ) -> tuple[list[int], list[int], int, int]:
+    """Drafts made and accepted per position, drafts, and verifications a drafted
+    tree's leaf won, between two metric reads."""
     def per_position(name: str) -> list[int]:
         was, now = before[name], after[name]
         return [(now[i] if i < len(now) else 0) - (was[i] if i < len(was) else 0)
@@ -44,7 +45,8 @@ def _spec_counts(before: dict[str, Any], after: dict[str, Any]
 
     return (per_position("num_draft_tokens_per_pos"),
             per_position("num_accepted_tokens_per_pos"),
-            after["num_drafts"] - before["num_drafts"])
+            after["num_drafts"] - before["num_drafts"],
+            after["num_leaf_hits"] - before["num_leaf_hits"])
 
 
 def side_by_side(model: LlamaForCausalLM, specs: list[dict[str, Any] | None],
@@ -61,10 +63,12 @@ def side_by_side(model: LlamaForCausalLM, specs: list[dict[str, Any] | None],
             engines, rendered, SamplingParams(max_tokens=max_tokens, temperature=0.0))
         runs = []
         for llm, before, took, got in zip(engines, befores, seconds, outs, strict=True):
-            drafted, accepted, drafts = _spec_counts(before, llm.get_metrics()["spec_decode"])
+            drafted, accepted, drafts, leaf_hits = _spec_counts(
+                before, llm.get_metrics()["spec_decode"])
             tokens = [list(o.outputs[0].token_ids) for o in got]
             runs.append({"tokens_per_s": sum(map(len, tokens)) / took, "outputs": tokens,
-                         "drafted": drafted, "accepted": accepted, "drafts": drafts})
+                         "drafted": drafted, "accepted": accepted, "drafts": drafts,
+                         "leaf_hits": leaf_hits})
         return runs
     finally:  # closed whatever failed: three engines' caches are not left behind
         for llm in engines:

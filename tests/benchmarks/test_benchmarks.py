@@ -659,3 +659,18 @@ def test_draft_confidence_quick(tmp_path: Path) -> None:
     assert sum(rows["0.0"]["drafted_per_position"][1:]) > 0
     assert rows["0.5"]["drafted_per_position"][0] > 0
     assert sum(rows["0.5"]["drafted_per_position"][1:]) == 0
+
+
+@pytest.mark.model
+def test_draft_trees_quick(tmp_path: Path) -> None:
+    """An untrained head's chain and trees (3 deep): every output as off's, the tree's
+    K its node count, the JSON the report."""
+    from benchmarks import draft_trees
+
+    report = draft_trees.main(["--quick", "--head", "random", "--shapes", "1;3,2",
+                               "--depth", "3", "--out", str(tmp_path / "t.json")])
+    assert json.loads((tmp_path / "t.json").read_text()) == report
+    chain, tree = report["results"]["1"], report["results"]["3,2"]
+    assert chain["lossless"] and tree["lossless"]
+    assert (chain["k"], tree["k"]) == (3, 7)
+    assert chain["leaf_hits"] == 0 and tree["verifications"] > 0

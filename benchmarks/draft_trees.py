@@ -1,0 +1,98 @@
+"""Drafted token trees (`draft_top_k`, runner/draft_tree.py) against chains: a trained
+head served with several tree shapes of one depth, each stepped side by side with
+speculation off (training/served.py `side_by_side`: one request at a time, greedy,
+held-out instructions), under the fixed policy. Per shape: tok/s against off, mean
+acceptance length (tokens a verification), how often a verification reached each
+depth (`reach`: the first is the acceptance at position 1), verifications won by a
+leaf, and whether every output equals off's.
+
+A shape is a list of widths per depth, the last repeating ("1" is the chain, "4,2,1"
+lists four candidates at the first depth, two at the second, then a chain); shapes are
+separated by ";". K is the shape's node count at `--depth`.
+
+    python benchmarks/draft_trees.py [--quick] [--method eagle] [--depth 4]
+        [--shapes "1;2;3;4,2,1"] [--prompts 24] [--max-tokens 64] [--head DIR]
+        [--gate G] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make the repo's packages importable
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import bench_parser, out_path, write_report  # noqa: E402
+
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "draft_trees.json"
+
+
+def nodes(widths: list[int], depth: int) -> int:
+    """K of a tree `depth` deep: its widths summed (the last repeating)."""
+    return sum(widths[min(d, len(widths) - 1)] for d in range(depth))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = bench_parser(__doc__, DEFAULT_OUT)
+    parser.add_argument("--method", default="eagle")
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--shapes", default="1;2;3;4,2,1")
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--gate", type=float, default=None,
+                        help="min_draft_confidence (chain methods; default: the engine's)")
+    parser.add_argument("--head", default=None,
+                        help="head dir, or 'random' (default: the trained one)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.prompts, args.max_tokens = 2, 12
+
+    from runner.config import RunnerConfig
+    from runner.eagle3 import trained_head_dir
+    from runner.model_loader import load_model
+    from runner.model_prep import resolve_model
+    from training.prompts import instructions
+    from training.served import side_by_side
+
+    path = resolve_model(None)
+    model = load_model(path, RunnerConfig().torch_dtype)
+    head = args.head or str(trained_head_dir(path, args.method))
+    shapes = [[int(w) for w in shape.split(",")] for shape in args.shapes.split(";")]
+    gate = {} if args.gate is None else {"min_draft_confidence": args.gate}
+    specs = [{"method": args.method, "model": head, "draft_policy": "fixed", **gate,
+              "num_speculative_tokens": nodes(widths, args.depth), "draft_top_k": widths}
+             for widths in shapes]
+    prompts = instructions("eval")[:args.prompts]
+    off, *runs = side_by_side(model, [None, *specs], prompts, args.max_tokens)
+    report = {"benchmark": "draft_trees", "quick": args.quick, "method": args.method,
+              "depth": args.depth, "head": args.head or "trained default",
+              "gate": args.gate, "prompts": args.prompts, "max_tokens": args.max_tokens,
+              "tokens_per_s_off": round(off["tokens_per_s"], 2),
+              "results": {",".join(map(str, widths)): _row(run, off, spec, args.depth)
+                          for widths, run, spec in zip(shapes, runs, specs, strict=True)}}
+    write_report(out_path(args, DEFAULT_OUT), report)
+    print(report)
+    return report
+
+
+def _row(run: dict[str, Any], off: dict[str, Any], spec: dict[str, Any], depth: int
+         ) -> dict[str, Any]:
+    drafts = run["drafts"]
+    return {"k": spec["num_speculative_tokens"],
+            "speedup_vs_off": round(run["tokens_per_s"] / off["tokens_per_s"], 3),
+            "tokens_per_s": round(run["tokens_per_s"], 2),
+            "mean_acceptance_length": round(1 + sum(run["accepted"]) / drafts, 3)
+            if drafts else None,
+            # A tree accepts at most one token a depth: the metric's later positions
+            # (it counts list entries) are always 0.
+            "reach": [round(a / drafts, 3) for a in run["accepted"][:depth]] if drafts
+            else [],
+            "leaf_hits": run["leaf_hits"], "verifications": drafts,
+            "lossless": run["outputs"] == off["outputs"]}
+
+
+if __name__ == "__main__":
+    main()
