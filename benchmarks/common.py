@@ -31,6 +31,33 @@ def bench_parser(doc: str | None, default_out: Path) -> argparse.ArgumentParser:
     return parser
 
 
+def served_head_args(parser: argparse.ArgumentParser) -> None:
+    """--method, --prompts, --max-tokens and --head: a trained head served on held-out
+    instructions (`served_head`)."""
+    parser.add_argument("--method", default="eagle")
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--head", default=None,
+                        help="head dir, or 'random' (default: the trained one)")
+
+
+def served_head(args: argparse.Namespace) -> tuple[Any, str, list[str]]:
+    """The default model in the engine's dtype, the head `--head` names (the trained
+    one by default) and the held-out instructions (2 prompts of 12 tokens `--quick`)."""
+    from runner.config import RunnerConfig
+    from runner.eagle3 import trained_head_dir
+    from runner.model_loader import load_model
+    from runner.model_prep import resolve_model
+    from training.prompts import instructions
+
+    if args.quick:
+        args.prompts, args.max_tokens = 2, 12
+    path = resolve_model(None)
+    model = load_model(path, RunnerConfig().torch_dtype)
+    head = args.head or str(trained_head_dir(path, args.method))
+    return model, head, instructions("eval")[:args.prompts]
+
+
 def out_path(args: argparse.Namespace, default_out: Path) -> Path:
     if args.out is not None:
         return Path(args.out)

@@ -20,37 +20,29 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make the repo's packages importable
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import bench_parser, out_path, write_report  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    bench_parser,
+    out_path,
+    served_head,
+    served_head_args,
+    write_report,
+)
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "draft_confidence.json"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = bench_parser(__doc__, DEFAULT_OUT)
-    parser.add_argument("--method", default="eagle")
+    served_head_args(parser)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--thresholds", default="0,0.1,0.2,0.3")
     parser.add_argument("--policies", default="fixed,goodput")
-    parser.add_argument("--prompts", type=int, default=24)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--head", default=None,
-                        help="head dir, or 'random' (default: the trained one)")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.prompts, args.max_tokens = 2, 12
 
-    from runner.config import RunnerConfig
-    from runner.eagle3 import trained_head_dir
-    from runner.model_loader import load_model
-    from runner.model_prep import resolve_model
-    from training.prompts import instructions
     from training.served import side_by_side
 
-    path = resolve_model(None)
-    model = load_model(path, RunnerConfig().torch_dtype)
-    head = args.head or str(trained_head_dir(path, args.method))
+    model, head, prompts = served_head(args)
     thresholds = [float(t) for t in args.thresholds.split(",")]
-    prompts = instructions("eval")[:args.prompts]
     results: dict[str, Any] = {}
     for policy in args.policies.split(","):
         specs = [{"method": args.method, "model": head, "num_speculative_tokens": args.k,

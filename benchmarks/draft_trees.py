@@ -25,7 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make the repo's packages importable
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import bench_parser, out_path, write_report  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    bench_parser,
+    out_path,
+    served_head,
+    served_head_args,
+    write_report,
+)
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "draft_trees.json"
 
@@ -37,35 +43,21 @@ def nodes(widths: list[int], depth: int) -> int:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = bench_parser(__doc__, DEFAULT_OUT)
-    parser.add_argument("--method", default="eagle")
+    served_head_args(parser)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--shapes", default="1;2;3;4,2,1")
-    parser.add_argument("--prompts", type=int, default=24)
-    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--gate", type=float, default=None,
                         help="min_draft_confidence (chain methods; default: the engine's)")
-    parser.add_argument("--head", default=None,
-                        help="head dir, or 'random' (default: the trained one)")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.prompts, args.max_tokens = 2, 12
 
-    from runner.config import RunnerConfig
-    from runner.eagle3 import trained_head_dir
-    from runner.model_loader import load_model
-    from runner.model_prep import resolve_model
-    from training.prompts import instructions
     from training.served import side_by_side
 
-    path = resolve_model(None)
-    model = load_model(path, RunnerConfig().torch_dtype)
-    head = args.head or str(trained_head_dir(path, args.method))
+    model, head, prompts = served_head(args)
     shapes = [[int(w) for w in shape.split(",")] for shape in args.shapes.split(";")]
     gate = {} if args.gate is None else {"min_draft_confidence": args.gate}
     specs = [{"method": args.method, "model": head, "draft_policy": "fixed", **gate,
               "num_speculative_tokens": nodes(widths, args.depth), "draft_top_k": widths}
              for widths in shapes]
-    prompts = instructions("eval")[:args.prompts]
     off, *runs = side_by_side(model, [None, *specs], prompts, args.max_tokens)
     report = {"benchmark": "draft_trees", "quick": args.quick, "method": args.method,
               "depth": args.depth, "head": args.head or "trained default",
