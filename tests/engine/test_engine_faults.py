@@ -36,11 +36,11 @@ def inject(core: EngineCore, when: Any) -> list[str]:
     real = core.runner._sample
     failed: list[str] = []
 
-    def faulty(step: Any, logits: Any, spec: Any) -> Any:
+    def faulty(step: Any, *args: Any) -> Any:
         if when(step.req_ids):
             failed.append(",".join(step.req_ids))
             raise ValueError("injected fault")
-        return real(step, logits, spec)
+        return real(step, *args)
 
     core.runner._sample = faulty  # type: ignore[method-assign]
     return failed
