@@ -1,7 +1,7 @@
 """Drafted token trees (`draft_top_k`, runner/draft_tree.py) against chains: a trained
 head served with several tree shapes of one depth, each stepped side by side with
 speculation off (training/served.py `side_by_side`: one request at a time, greedy,
-held-out instructions), under the fixed policy. Per shape: tok/s against off, mean
+held-out instructions), under the fixed policy (or `--policy`). Per shape: tok/s against off, mean
 acceptance length (tokens a verification), how often a verification reached each
 depth (`reach`: the first is the acceptance at position 1), verifications won by a
 leaf, and whether every output equals off's.
@@ -12,7 +12,7 @@ separated by ";". K is the shape's node count at `--depth`.
 
     python benchmarks/draft_trees.py [--quick] [--method eagle] [--depth 4]
         [--shapes "1;2;3;4,2,1"] [--prompts 24] [--max-tokens 64] [--head DIR]
-        [--gate G] [--out PATH]
+        [--policy fixed|fit|goodput] [--gate G] [--out PATH]
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     served_head_args(parser)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--shapes", default="1;2;3;4,2,1")
+    parser.add_argument("--policy", default="fixed", help="draft_policy of every run")
     parser.add_argument("--gate", type=float, default=None,
                         help="min_draft_confidence (chain methods; default: the engine's)")
     args = parser.parse_args(argv)
@@ -55,12 +56,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model, head, prompts = served_head(args)
     shapes = [[int(w) for w in shape.split(",")] for shape in args.shapes.split(";")]
     gate = {} if args.gate is None else {"min_draft_confidence": args.gate}
-    specs = [{"method": args.method, "model": head, "draft_policy": "fixed", **gate,
+    specs = [{"method": args.method, "model": head, "draft_policy": args.policy, **gate,
               "num_speculative_tokens": nodes(widths, args.depth), "draft_top_k": widths}
              for widths in shapes]
     off, *runs = side_by_side(model, [None, *specs], prompts, args.max_tokens)
     report = {"benchmark": "draft_trees", "quick": args.quick, "method": args.method,
-              "depth": args.depth, "head": args.head or "trained default",
+              "depth": args.depth, "policy": args.policy,
+              "head": args.head or "trained default",
               "gate": args.gate, "prompts": args.prompts, "max_tokens": args.max_tokens,
               "tokens_per_s_off": round(off["tokens_per_s"], 2),
               "results": {",".join(map(str, widths)): _row(run, off, spec, args.depth)

@@ -21,6 +21,7 @@ import numpy as np
 
 from spec_decode import SpecMethod, SpeculativeConfig, min_decode_rows
 from spec_decode.methods import context_rows
+from spec_decode.tree_shape import TreeShape
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,23 @@ class ThrottleRule:
         context = context_rows(self.parks, n, k, behind, samples)
         return ChunkPlan(n, num_spec, k, (n, *method.rows(n, k, context)),
                          method.slots_ahead(k), k, samples=samples)
+
+
+class TreeDepthRule(ThrottleRule):
+    """A rule whose k is a drafted tree's depth (spec_decode/tree_shape.py): what the
+    goodput policy prices and learns in, a depth's chance of a token and the rows its
+    nodes cost, where the scheduler charges the nodes (`TreeShape.nodes`)."""
+
+    def __init__(self, rule: ThrottleRule, shape: TreeShape) -> None:
+        super().__init__(rule.method, shape.depth(rule.max_k), rule.max_model_len,
+                         rule.adaptive, rule.parks)
+        self.nodes_rule, self.shape = rule, shape
+
+    def plan(self, n: int, num_spec: int, k: int, behind: int = 0,
+             samples: bool = True) -> ChunkPlan:
+        nodes = self.shape.nodes(k)
+        verified = self.shape.nodes(num_spec)
+        return self.nodes_rule.plan(n - num_spec + verified, verified, nodes, behind, samples)
 
 
 def plan_chunk(rule: ThrottleRule, remaining: list[int], req: RequestView,

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler.budget import RequestView, ThrottleRule, check_budget_config, plan_chunk
+from scheduler.budget import (
+    RequestView,
+    ThrottleRule,
+    TreeDepthRule,
+    check_budget_config,
+    plan_chunk,
+)
 from scheduler.bulk_plan import RunningCounters, plan_bulk
 from scheduler.config import CacheConfig, GoodputSettings, SchedulerConfig
 from scheduler.goodput import GoodputPolicy
@@ -52,8 +58,13 @@ class Scheduler:
                                          adaptive, bool(speculative_config
                                                         and speculative_config.parks))
         check_budget_config(self.rule, speculative_config, scheduler_config.max_num_batched_tokens)
+        # A drafted tree (spec_decode/tree_shape.py), None for chains: the goodput policy
+        # then prices and learns by depth, and its caps are the nodes to that depth.
+        shape = speculative_config.tree_shape if speculative_config else None
+        self.tree = None if shape is None or shape.is_chain else shape
+        policy_rule = self.rule if self.tree is None else TreeDepthRule(self.rule, self.tree)
         # draft_policy="goodput": a cap on each request's k per step (scheduler/goodput.py).
-        self.policy = (GoodputPolicy(self.rule, scheduler_config.max_num_batched_tokens,
+        self.policy = (GoodputPolicy(policy_rule, scheduler_config.max_num_batched_tokens,
                                      goodput)
                        if speculative_config is not None
                        and speculative_config.draft_policy == "goodput" else None)
@@ -267,14 +278,23 @@ class Scheduler:
         c = counters
         closed = self.arrivals_closed and not self.waiting
         if self.policy.holding(len(c.num_tokens), closed):
-            return self.policy.hold()  # a decision that drafted nothing, kept
+            return self._nodes(self.policy.hold())  # a decision that drafted nothing, kept
         s = c.num_spec  # verified next if the whole chunk fits (the bulk plan's case)
         rule_k = self.rule.k(c.num_tokens, c.num_output, c.max_tokens, s)
         # What each may still make; a closed batch plans on it.
         left = np.minimum(c.max_tokens - c.num_output, self.config.max_model_len - c.num_tokens)
-        return self.policy.caps(c.verifications, c.first_accepted, c.last_outcome, rule_k,
-                                c.behind, remaining=left if closed else None,
-                                unverified=c.unverified, produced=c.num_output, left=left)
+        return self._nodes(self.policy.caps(
+            c.verifications, c.first_accepted, c.last_outcome, self._depth(rule_k), c.behind,
+            remaining=left if closed else None, unverified=c.unverified,
+            produced=c.num_output, left=left))
+
+    def _depth(self, k: np.ndarray) -> np.ndarray:
+        """Drafts counted as the goodput policy counts them: a tree's by depth."""
+        return k if self.tree is None else self.tree.depth(k)
+
+    def _nodes(self, caps: np.ndarray) -> np.ndarray:
+        """The policy's caps as drafts to charge: a tree's nodes to that depth."""
+        return caps if self.tree is None else self.tree.nodes(caps)
 
     def _num_blocks(self, request: Request) -> int:
         return len(self.kv.req_blocks.get(request.request_id, ()))
@@ -354,7 +374,8 @@ class Scheduler:
                 suspect_in_step = True
             prefix, drafter_cached = self._usable_prefix(self.kv.find_prefix(request))
             num_cached = len(prefix) * self.kv.block_size
-            cap = self.policy.admission_cap() if self.policy else self.rule.max_k
+            cap = (int(self._nodes(np.array(self.policy.admission_cap())))
+                   if self.policy else self.rule.max_k)
             view = self._view(request, cap, (num_cached, drafter_cached))
             plan = plan_chunk(self.rule, record.remaining, view,
                               self._max_chunk(request.num_tokens - num_cached),
@@ -433,7 +454,10 @@ class Scheduler:
         drafter = sum(rows.values()) - target
         passes = self._base_passes
         if self._chained:  # the one-row steps run: the longest chain's drafts past its first
-            passes += max(max(map(len, result.draft_token_ids.values()), default=0) - 1, 0)
+            longest = max(map(len, result.draft_token_ids.values()), default=0)
+            passes += max(int(self._depth(np.array(longest))) - 1, 0)
+        if self.tree is not None:  # learnt by depth: a tree accepts a token a depth
+            verified = self.tree.depth(np.array(verified, dtype=np.int64)).tolist()
         self.policy.observe_step(verified, accepted, states,
                                  (target, self._logit_rows, drafter, passes),
                                  result.step_seconds, produced, result.drafter_seconds)
@@ -446,17 +470,18 @@ class Scheduler:
         step proposed (`ProposalRates`): those still running hold them as their
         `spec_token_ids`."""
         assert self.policy is not None
-        counted = [(allowed[r.request_id], len(r.spec_token_ids)) for r in advanced
-                   if allowed.get(r.request_id)]
-        self.policy.observe_proposals([k for k, _ in counted], [got for _, got in counted])
+        counted = np.array([(allowed[r.request_id], len(r.spec_token_ids)) for r in advanced
+                            if allowed.get(r.request_id)], dtype=np.int64).reshape(-1, 2)
+        counted = self._depth(counted)
+        self.policy.observe_proposals(counted[:, 0].tolist(), counted[:, 1].tolist())
 
     def _predict_seconds(self, record: StepRecord, output: SchedulerOutput) -> None:
         """What the policy's time model expects of the step just planned (a metric)."""
         assert self.policy is not None
         live = record.live_rows()
-        k = record.num_draft_tokens[live]
         sampling = record.samples[live]
-        self.stats.goodput.record_drafts(k[sampling])
+        self.stats.goodput.record_drafts(record.num_draft_tokens[live][sampling])
+        k = self._depth(record.num_draft_tokens[live])  # a tree's: its chain's drafts
         drafter = sum(output.pass_rows.values()) - output.total_num_scheduled_tokens
         self._base_passes = sum(rows > 0 for name, rows in output.pass_rows.items()
                                 if name != "target")
@@ -468,7 +493,7 @@ class Scheduler:
             passes += self.policy.chain_steps(int(k[sampling].max(initial=0)),
                                               int(sampling.sum()))
         # Rows that give logits: each sampling chunk's verified drafts and its last row.
-        self._logit_rows = int((record.num_spec[live][sampling] + 1).sum())
+        self._logit_rows = int((self._depth(record.num_spec[live][sampling]) + 1).sum())
         self._predicted_seconds = self.policy.time_model.predict_one(
             output.total_num_scheduled_tokens, self._logit_rows, drafter, passes)
 
@@ -528,7 +553,8 @@ class Scheduler:
                 verified_counts.append(verified)
                 accepted_counts.append(accepted)
                 produced.append(request.num_output_tokens)
-                states.append(request.record_verification(verified, accepted))
+                states.append(request.record_verification(
+                    verified if self.tree is None else self.tree.depth(verified), accepted))
             num_before = len(request.output_token_ids)
             status = append_tokens(request, sampled, max_model_len)
             if status is None:

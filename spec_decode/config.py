@@ -46,8 +46,10 @@ class SpeculativeConfig:
 
     `options["draft_top_k"]` (model methods; default 1): T > 1 drafts a tree, the
     chain of greedy drafts plus, at each depth, the next T - 1 candidates as leaves
-    (runner/draft_tree.py); the drafter's passes follow the tree's depth
-    (`SpecMethod.with_draft_width`). A request's drafts are then listed depth by depth, the
+    (runner/draft_tree.py; a list gives a width per depth, spec_decode/tree_shape.py);
+    the drafter's passes follow the tree's depth (`SpecMethod.drafting_trees`), and the
+    goodput policy chooses and learns a depth, charging the nodes to it
+    (scheduler/budget.py `TreeDepthRule`). A request's drafts are then listed depth by depth, the
     chain's first ([a1, b1, a2, b2, ...] for T = 2), so K counts every node, as
     vLLM's tree does, and any prefix of the list is a tree: the scheduler's budget
     rule, cuts and charges hold unchanged, and a leaf that matches the target's token
@@ -92,7 +94,7 @@ class SpeculativeConfig:
             )
         _check_confidence(self.options)
         if "draft_top_k" in get_method(self.method).option_names:  # else: an unknown key
-            _check_top_k(self.options, self.draft_policy)
+            _check_top_k(self.options)
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "SpeculativeConfig needs 1 <= prompt_lookup_min <= prompt_lookup_max "
@@ -166,10 +168,9 @@ def tree_shape(widths: int | list[int] | tuple[int, ...], max_entries: int) -> T
                   max_entries)
 
 
-def _check_top_k(options: dict[str, Any], policy: str) -> None:
+def _check_top_k(options: dict[str, Any]) -> None:
     """`draft_top_k`: an integer in [1, MAX_DRAFT_TOP_K], or a list of them, one per
-    depth from the first (the last for every deeper one); a tree needs a policy whose k
-    counts list entries, not depths (goodput prices each entry as the next depth)."""
+    depth from the first (the last for every deeper one)."""
     value = options.get("draft_top_k", 1)
     widths = value if isinstance(value, list) and 0 < len(value) <= MAX_TREE_DEPTHS else [
         value]
@@ -179,10 +180,6 @@ def _check_top_k(options: dict[str, Any], policy: str) -> None:
                          f"[1, {MAX_DRAFT_TOP_K}] (1: a chain), or a list of 1 to "
                          f"{MAX_TREE_DEPTHS} of them (one per depth, the last for every "
                          f"deeper one), got {value!r}")
-    if max(widths) > 1 and policy == "goodput":
-        raise ValueError("speculative_config.draft_top_k > 1 needs draft_policy 'fixed' "
-                         "or 'fit': the goodput policy prices each draft as one depth "
-                         "further, and a tree's leaves are not")
 
 
 def min_decode_rows(config: SpeculativeConfig) -> dict[str, int]:

@@ -69,6 +69,13 @@ class TreeShape:
         found = np.searchsorted(self.starts, k, side="left")
         return int(found) if isinstance(k, int | np.integer) else found
 
+    def nodes(self, depth: IntLike) -> IntLike:
+        """List entries of a tree `depth` deep (its node count; depth for a chain)."""
+        if self.is_chain:
+            return depth
+        found = self.starts[np.minimum(depth, len(self.starts) - 1)]
+        return int(found) if isinstance(depth, int | np.integer) else found
+
     def chain_of(self, drafts: list[int]) -> list[int]:
         """The chain's drafts: each depth's first."""
         if self.is_chain:

@@ -32,17 +32,21 @@ DRAFT_LAYERS = 12
 @pytest.fixture(scope="module")
 def cut_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model's first DRAFT_LAYERS layers as a checkpoint of its own."""
+    return cut(tmp_path_factory, DRAFT_LAYERS)
+
+
+def cut(tmp_path_factory: pytest.TempPathFactory, layers: int) -> Path:
     source = resolve_model(None)
-    out = tmp_path_factory.mktemp("cut_draft")
+    out = tmp_path_factory.mktemp(f"cut_draft_{layers}")
     config = json.loads((source / "config.json").read_text())
-    config["num_hidden_layers"] = DRAFT_LAYERS
+    config["num_hidden_layers"] = layers
     (out / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (out / name).write_bytes((source / name).read_bytes())
     weights = load_file(source / "model.safetensors")
     kept = {key: value for key, value in weights.items()
             if not key.startswith("model.layers.")
-            or int(key.split(".")[2]) < DRAFT_LAYERS}
+            or int(key.split(".")[2]) < layers}
     save_file(kept, out / "model.safetensors")
     return out
 
@@ -151,3 +155,15 @@ def test_a_head_drafts_trees_losslessly(method: str) -> None:
     got, metrics = generate(spec, PROMPTS[:4], GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in off(4, GREEDY)]
     assert metrics["num_draft_tokens"] > 0
+
+
+def test_goodput_drafts_trees_by_depth(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The default policy chooses a depth and charges its nodes: lossless at 1 and 16
+    running, and it drafts (a draft of 4 layers, cheap enough to pay)."""
+    spec = tree_spec(cut(tmp_path_factory, 4), [4, 2, 1], depth=4)
+    assert spec is not None
+    spec["draft_policy"] = "goodput"
+    for concurrency in (1, 16):
+        got, metrics = generate(spec, PROMPTS[:concurrency], GREEDY)
+        assert [o.token_ids for o in got] == [o.token_ids for o in off(concurrency, GREEDY)]
+        assert metrics["num_drafts"] > 0

@@ -182,20 +182,18 @@ def test_widths_per_depth_are_taken() -> None:
     assert spec.tree_shape.widths == (4, 2) and spec.spec_method.depth(8) == 3
 
 
-def test_a_tree_under_goodput_is_refused_at_every_entry_point() -> None:
-    """Goodput prices each listed draft as one depth further; a tree's leaves are not.
-    Refused by `SpeculativeConfig`, the offline `LLM` and `specbudget serve`'s config;
-    fixed and fit take it."""
+def test_every_entry_point_refuses_a_bad_tree_by_name() -> None:
+    """The offline `LLM` (before any model loads) and `specbudget serve`'s config."""
     from engine.llm import LLM
     from specbudget import cli
 
-    bad = {"method": "eagle", "num_speculative_tokens": 4, "draft_top_k": 2}
-    says = "draft_top_k > 1 needs draft_policy 'fixed' or 'fit'"
+    bad = {"method": "eagle", "num_speculative_tokens": 4, "draft_top_k": [4, 0]}
+    says = r"draft_top_k must be an integer in \[1, 8\]"
     with pytest.raises(ValueError, match=says):
         LLM(speculative_config=bad)
     args = cli._parser().parse_args(["serve", "--speculative-config", json.dumps(bad)])
     with pytest.raises(ValueError, match=says):
         cli.engine_config_from_args(args)
-    for policy in ("fixed", "fit"):
-        assert SpeculativeConfig.from_dict({**bad, "draft_policy": policy}) is not None
-    assert SpeculativeConfig.from_dict({**bad, "draft_top_k": 1}) is not None
+    for policy in ("goodput", "fixed", "fit"):
+        assert SpeculativeConfig.from_dict({**bad, "draft_top_k": [4, 2],
+                                            "draft_policy": policy}) is not None

@@ -128,3 +128,23 @@ def test_a_tree_s_passes_follow_its_depth(method: str, target: int, passes: dict
     from spec_decode import get_method
 
     assert get_method(method).depth(6) == 6
+
+
+def test_goodput_prices_a_tree_by_depth() -> None:
+    """The policy's rule counts a tree's depth; its costs are the nodes' rows: a depth
+    of [4, 2, 1] costs the target 4, 2, 1, 1 rows, where the chain's depths cost 1."""
+    from scheduler.budget import ThrottleRule, TreeDepthRule
+    from scheduler.step_cost import DraftCosts
+    from spec_decode import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_dict({"method": "parallel", "num_speculative_tokens": 8,
+                                        "draft_top_k": [4, 2, 1]})
+    assert spec is not None
+    rule = ThrottleRule(spec.spec_method, 8, 256)
+    by_depth = TreeDepthRule(rule, spec.tree_shape)
+    assert by_depth.max_k == 4
+    costs = DraftCosts.for_rule(by_depth)
+    assert costs.target.tolist() == [4, 2, 1, 1]
+    # Parallel's one pass: n context rows plus depth - 1 masks, n = 1 + the nodes.
+    assert costs.drafter_at.tolist() == [0, 5, 8, 10, 12]  # k = 0: parked, no rows
+    assert by_depth.plan(1 + 2, 2, 2).rows == rule.plan(1 + 6, 6, 6).rows

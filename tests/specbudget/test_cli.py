@@ -110,8 +110,6 @@ SPEC = "--speculative-config"
             '"min_draft_confidence": 0.2}'], "unknown keys ['min_draft_confidence']"),
     ([SPEC, '{"method": "eagle", "num_speculative_tokens": 4, "draft_top_k": 0, '
             '"draft_policy": "fixed"}'], "draft_top_k must be an integer in [1, 8]"),
-    ([SPEC, '{"method": "eagle", "num_speculative_tokens": 4, "draft_top_k": 2}'],
-     "draft_top_k > 1 needs draft_policy 'fixed' or 'fit'"),
     ([SPEC, '{"method": "ngram", "num_speculative_tokens": 2, "draft_top_k": 2}'],
      "unknown keys ['draft_top_k']"),
     (["--max-tokens", "0"], "--max-tokens must be"),
