@@ -30,9 +30,7 @@ class TreeShape:
     max_entries: int
     # [depths + 1]: the list index where each depth starts, then one past the last.
     starts: np.ndarray = field(init=False, repr=False, compare=False)
-    # [max_entries]: each list entry's depth (1-based) and rank (0: the chain's draft).
-    entry_depth: np.ndarray = field(init=False, repr=False, compare=False)
-    # [max_entries]: the depth of each leaf, leaves in list order.
+    # The depth of each leaf among `max_entries` list entries, leaves in list order.
     leaf_depth: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -41,18 +39,11 @@ class TreeShape:
         starts = [0]
         while starts[-1] < self.max_entries:
             starts.append(starts[-1] + self.width(len(starts)))
-        depth = np.repeat(np.arange(1, len(starts)),
-                          [self.width(d) for d in range(1, len(starts))])[:self.max_entries]
-        chain = np.zeros(len(depth), dtype=bool)
-        chain[np.asarray(starts[:-1], dtype=np.int64)[np.asarray(starts[:-1]) < len(depth)]] \
-            = True
+        # Depth d's leaves: its width less its chain draft.
+        leaves = np.repeat(np.arange(1, len(starts)),
+                           [self.width(d) - 1 for d in range(1, len(starts))])
         object.__setattr__(self, "starts", np.asarray(starts, dtype=np.int64))
-        object.__setattr__(self, "entry_depth", depth.astype(np.int64))
-        object.__setattr__(self, "leaf_depth", depth[~chain].astype(np.int64))
-
-    @classmethod
-    def chain(cls, max_entries: int) -> TreeShape:
-        return cls((1,), max_entries)
+        object.__setattr__(self, "leaf_depth", leaves[:self.max_entries].astype(np.int64))
 
     @property
     def is_chain(self) -> bool:

@@ -148,3 +148,14 @@ def test_goodput_prices_a_tree_by_depth() -> None:
     # Parallel's one pass: n context rows plus depth - 1 masks, n = 1 + the nodes.
     assert costs.drafter_at.tolist() == [0, 5, 8, 10, 12]  # k = 0: parked, no rows
     assert by_depth.plan(1 + 2, 2, 2).rows == rule.plan(1 + 6, 6, 6).rows
+
+
+def test_a_shape_s_leaves_and_nodes() -> None:
+    """Widths (3, 2): depths start at list entries 0, 3, 5, 7; leaves in list order sit
+    at depths 1, 1, 2, 3, ...; a chain has none."""
+    wide = shape(3, 2, entries=8)
+    assert wide.starts.tolist() == [0, 3, 5, 7, 9]
+    assert wide.leaf_depth[:4].tolist() == [1, 1, 2, 3]
+    assert wide.nodes(2) == 5 and wide.nodes(np.array([0, 1, 3])).tolist() == [0, 3, 7]
+    assert shape(1).leaf_depth.tolist() == [] and shape(1).nodes(3) == 3
+    assert [wide.leaf_ordinal(i) for i in (1, 2, 4, 6)] == [0, 1, 2, 3]
