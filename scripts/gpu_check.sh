@@ -49,7 +49,8 @@ if [[ $stage == kernels || $stage == all ]]; then
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
     python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$out/gpu.txt"
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/runner/test_attention.py \
-        tests/spec_decode/test_rejection_sampler.py > "$out/gpu_kernel_tests.txt" 2>&1
+        tests/runner/test_tree_attention.py tests/spec_decode/test_rejection_sampler.py \
+        > "$out/gpu_kernel_tests.txt" 2>&1
     echo "gpu kernel tests rc=$?" >> "$out/gpu_kernel_tests.txt"
     python3 benchmarks/attention_kernel.py --out "$out/attention_kernel.json" \
         > "$out/attention_kernel.txt" 2>&1

@@ -21,7 +21,8 @@ HEADS, KV_HEADS, HEAD_DIM = 6, 2, 32
 
 
 def tree_batch(computed: int, depth: int, dtype: torch.dtype, block_size: int = 4,
-               seed: int = 0, others: bool = True) -> tuple[Batch, list[int]]:
+               seed: int = 0, others: bool = True, device: str = "cpu"
+               ) -> tuple[Batch, list[int]]:
     """A request verifying t0 and a chain of `depth` drafts, then a leaf per depth
     (rows t0, a1..aD, b1..bD at positions c, c+1..c+D, then c+1..c+D), beside a decode
     and a prefill chunk (`others`). Returns the batch and each leaf's prefix."""
@@ -34,11 +35,11 @@ def tree_batch(computed: int, depth: int, dtype: torch.dtype, block_size: int = 
     full_k = [randn(c + n, KV_HEADS, HEAD_DIM) for c, n in reqs]
     full_v = [randn(c + n, KV_HEADS, HEAD_DIM) for c, n in reqs]
     queries = [randn(n, HEADS, HEAD_DIM) for _, n in reqs]
-    batch = batch_of(reqs, full_k, full_v, queries, block_size, gen)
+    batch = batch_of(reqs, full_k, full_v, queries, block_size, gen, device)
     prefixes = [computed + d for d in range(1, depth + 1)]
     tree = np.full(batch.meta.num_actual_tokens, -1, dtype=np.int32)
     tree[1 + depth:1 + 2 * depth] = prefixes
-    meta = dataclasses.replace(batch.meta, tree_prefix=torch.from_numpy(tree),
+    meta = dataclasses.replace(batch.meta, tree_prefix=torch.from_numpy(tree).to(device),
                                tree_prefix_cpu=tree)
     return dataclasses.replace(batch, meta=meta), prefixes
 
@@ -127,4 +128,19 @@ def test_triton_tree_rows_match_torch_interpreted(dtype: torch.dtype) -> None:
     ref, _, _ = run("torch", batch, scale)
     out, _, _ = run("triton", batch, scale, tile_n=8)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("computed", "depth"), [(5, 4), (1000, 6)])
+def test_triton_tree_rows_match_torch_on_cuda(dtype: torch.dtype, computed: int,
+                                              depth: int) -> None:
+    """The GPU path's tree mask at the default tile (64 keys: a long prefix's skipped
+    keys inside one tile or across two), against the torch path on the same device."""
+    batch, _ = tree_batch(computed, depth, dtype, block_size=16, device="cuda")
+    scale = 1 / math.sqrt(HEAD_DIM)
+    ref, _, _ = run("torch", batch, scale)
+    out, _, _ = run("triton", batch, scale)
+    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}[dtype]
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
