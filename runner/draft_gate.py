@@ -65,26 +65,18 @@ class ConfidenceGate:
         """The candidates read out of `hidden` (row i a depth of request `reqs[i]`): the
         greedy draft, then `widths[i]` - 1 more (a tree's leaves; None: none); each
         request's product of its greedy drafts' probabilities updated."""
-        widest = max(widths, default=1) if widths is not None else 1
-        if widest > 1:
-            assert widths is not None
-            ids, probs = net.top_drafts(hidden, widest)
-            picked = [row[:width] for row, width in zip(ids.tolist(), widths, strict=True)]
-            self._update(reqs, probs)
-            return picked
-        if self.threshold <= 0.0:
+        if widths is not None and max(widths, default=1) > 1:
+            ids, probs = net.top_drafts(hidden, max(widths))
+            candidates = [row[:width] for row, width in zip(ids.tolist(), widths, strict=True)]
+        elif self.threshold <= 0.0:
             return [[t] for t in net.greedy_tokens(hidden).tolist()]
         else:
-            ids, probs = net.drafts_with_confidence(hidden)
-            ids = ids[:, None]
-        self._update(reqs, probs)
-        return ids.tolist()
-
-    def _update(self, reqs: list[int], probs: torch.Tensor) -> None:
-        if self.threshold <= 0.0:
-            return
-        for req, prob in zip(reqs, probs.tolist(), strict=True):
-            self._sure[req] = self._sure.get(req, 1.0) * prob
+            greedy, probs = net.drafts_with_confidence(hidden)
+            candidates = [[t] for t in greedy.tolist()]
+        if self.threshold > 0.0:
+            for req, prob in zip(reqs, probs.tolist(), strict=True):
+                self._sure[req] = self._sure.get(req, 1.0) * prob
+        return candidates
 
     def still_drafting(self, reqs: np.ndarray) -> np.ndarray:
         """Those of `reqs` whose chain goes on: its product at least the threshold."""

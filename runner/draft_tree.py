@@ -45,8 +45,8 @@ def tree_positions(positions: np.ndarray, num_drafts: np.ndarray, draft_index: n
     chain = shape.depth(num_drafts)
     leaf = draft_index >= chain
     ordinal = np.where(leaf, draft_index - chain, 0)
-    depth = np.where(leaf, shape.leaf_depth[np.minimum(ordinal, len(shape.leaf_depth) - 1)]
-                     if len(shape.leaf_depth) else 0, 0)
+    depth = np.where(leaf, shape.leaf_depth[np.minimum(ordinal, len(shape.leaf_depth) - 1)],
+                     0)
     first_draft = positions - draft_index
     moved = np.where(leaf, first_draft + depth - 1, positions)
     return moved, np.where(leaf, moved, -1).astype(np.int32)
@@ -71,7 +71,7 @@ def match_leaves(emitted: list[list[int]], drafts: list[list[int]], shape: TreeS
     for j, (tokens, listed) in enumerate(zip(emitted, drafts, strict=True)):
         chain = shape.depth(len(listed))
         depth = len(tokens)  # the rejected draft's depth, when one was
-        if not listed or depth > chain:
+        if depth > chain:  # all accepted (an empty list too)
             continue
         first, leaves = shape.leaves_at(listed, depth)
         if tokens[-1] not in leaves:

@@ -26,12 +26,8 @@ class PreparedStep:
     max_query_len: int
     max_seq_len: int
     # [num_reqs] drafts verified in the chain (s but for a tree's leaves: draft_tree.py)
-    num_chain: np.ndarray | None = None
-    has_leaves: bool = False
-
-    @property
-    def chain(self) -> np.ndarray:
-        return self.num_spec if self.num_chain is None else self.num_chain
+    num_chain: np.ndarray
+    has_leaves: bool  # some row is a tree's leaf (AttentionMetadata.tree_prefix)
 
 
 def write_spec_tokens(states: RequestStates, spec: dict[str, list[int]],

@@ -10,13 +10,12 @@ from runner.request_states import RequestStates
 
 
 def before_min_tokens(states: RequestStates, logits: torch.Tensor, rows: np.ndarray,
-                      starts: np.ndarray, counts: np.ndarray,
-                      ahead: np.ndarray | None = None) -> torch.Tensor:
+                      counts: np.ndarray, ahead: np.ndarray | None = None) -> torch.Tensor:
     """The logits with EOS and the stop token ids at -inf in every row that would
     produce an output token before the request's min_tokens: a verification row is
     masked exactly as the decode row at that position would be, so drafts of those
     tokens are rejected as the target would reject them. Request i (state row
-    `rows[i]`) owns logits rows `starts[i]` .. + `counts[i]`, the first producing its
+    `rows[i]`) owns the next `counts[i]` logits rows, in order, the first producing its
     output token `produced + ahead[i]` (a tree leaf's bonus row comes after the tokens
     verified before it). Logprobs stay the raw logits'. `logits` itself when no row
     needs it (a copy otherwise)."""
@@ -26,6 +25,7 @@ def before_min_tokens(states: RequestStates, logits: torch.Tensor, rows: np.ndar
     if not pending:
         return logits
     masked = logits.clone()
+    starts = np.cumsum(counts) - counts
     for i, row in pending:
         min_tokens, stops = states.min_tokens[row]
         stops = [t for t in stops if t < masked.shape[1]]  # offline ids are unchecked

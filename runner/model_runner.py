@@ -53,11 +53,10 @@ def device_memory_bytes(device: torch.device) -> int | None:
         return None
 
 
-def _logits_rows(step: PreparedStep) -> tuple[np.ndarray, np.ndarray]:
-    """(first row, rows) of each sampling request's block of logits: it owns 1 + s
-    rows, in order (s = 2, 0: starts [0, 3], counts [3, 1]); s of a tree's chain."""
-    counts = 1 + step.chain[step.samples]
-    return np.concatenate(([0], np.cumsum(counts)[:-1])), counts
+def _logits_rows(step: PreparedStep) -> np.ndarray:
+    """Rows of each sampling request's block of logits, in order: 1 + s (s of a tree's
+    chain)."""
+    return 1 + step.num_chain[step.samples]
 
 
 def _adopt_model_dtype(config: RunnerConfig, model: LlamaForCausalLM) -> RunnerConfig:
@@ -114,7 +113,6 @@ class ModelRunner:
         self.record_timings = False
         self.last_timings: dict[str, float] = {}
         self.capture: FeatureCapture | None = None  # drafter training data, if attached
-        self.leaf_hits = 0  # the last step's (ModelRunnerOutput.leaf_hits)
 
     def attach_capture(self, capture: FeatureCapture | None) -> None:
         """Keep every request's target features from now on (None: stop)."""
@@ -297,7 +295,7 @@ class ModelRunner:
             logits_idx = self.buffers.logits_indices.copy_to_device(step.num_logits)
             logits = self.model.compute_logits(hidden[logits_idx])  # [num_logits, V]
         with self._phase("sample"):
-            emitted, logprobs = self._sample(step, logits, spec, hidden, features)
+            emitted, logprobs, leaf_hits = self._sample(step, logits, spec, hidden, features)
             result = self._record(step, computed, emitted, k, planned)
         with self._phase("draft"):
             # Timed on its own for the goodput policy's step-time model. The sampled
@@ -317,7 +315,7 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids, out_tokens, drafts, pass_rows=self.last_pass_rows,
                                  logprobs=logprobs,
                                  drafter_seconds=drafter_seconds if self.spec else None,
-                                 shadow_token_ids=shadows, leaf_hits=self.leaf_hits)
+                                 shadow_token_ids=shadows, leaf_hits=leaf_hits)
 
     def _forward(self, step: PreparedStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Final hidden states, and the aux features the drafter's head reads."""
@@ -362,14 +360,13 @@ class ModelRunner:
 
     def _sample(self, step: PreparedStep, logits: torch.Tensor, spec: dict[str, list[int]],
                 hidden: torch.Tensor, features: torch.Tensor
-                ) -> tuple[list[list[int]], dict[str, list[Logprobs]]]:
-        """Tokens emitted per sampling request (in order), and logprobs where asked."""
+                ) -> tuple[list[list[int]], dict[str, list[Logprobs]], int]:
+        """Tokens emitted per sampling request (in order), logprobs where asked, and
+        how many verifications a tree's leaf won."""
         rows = step.rows[step.samples]
         meta = self._sampling_metadata(rows)
-        starts, counts = _logits_rows(step)
-        allowed = before_min_tokens(self.states, logits, rows, starts, counts)
+        allowed = before_min_tokens(self.states, logits, rows, _logits_rows(step))
         leaf_logits: dict[int, torch.Tensor] = {}
-        self.leaf_hits = 0
         if spec and self.spec is not None:
             sampling_ids = [step.req_ids[i] for i in np.flatnonzero(step.samples)]
             shape = self.shape
@@ -381,7 +378,7 @@ class ModelRunner:
                                                                sampling_ids], hidden, features)
         else:
             emitted = [[t] for t in self.sampler(allowed, meta).sampled_token_ids.tolist()]
-        return emitted, self._logprobs(step, logits, emitted, leaf_logits)
+        return emitted, self._logprobs(step, logits, emitted, leaf_logits), len(leaf_logits)
 
     def _leaf_bonus(self, step: PreparedStep, emitted: list[list[int]],
                     drafts: list[list[int]], hidden: torch.Tensor, features: torch.Tensor
@@ -401,14 +398,12 @@ class ModelRunner:
             hidden[torch.as_tensor(hits.leaf_rows, device=hidden.device)])
         state_rows = step.rows[sampling[hits.sampling_index]]
         ahead = np.array([len(emitted[j]) for j in hits.sampling_index], dtype=np.int64)
-        one = np.ones(len(state_rows), dtype=np.int64)
-        allowed = before_min_tokens(self.states, logits, state_rows, np.cumsum(one) - 1, one,
-                                    ahead)
+        allowed = before_min_tokens(self.states, logits, state_rows,
+                                    np.ones(len(state_rows), dtype=np.int64), ahead)
         bonus = self.sampler(allowed, self._sampling_metadata(state_rows, ahead))
         for j, token in zip(hits.sampling_index, bonus.sampled_token_ids.tolist(),
                             strict=True):
             emitted[j].append(token)
-        self.leaf_hits = len(hits.leaf_rows)
         compact(self.kv_caches, self.buffers.slot_mapping.gpu[:step.num_tokens], features, hits)
         return dict(zip(hits.sampling_index, logits, strict=True))
 
@@ -421,7 +416,8 @@ class ModelRunner:
         asked = self.states.num_logprobs[step.rows[step.samples]]
         if not (asked >= 0).any():
             return {}
-        starts, _ = _logits_rows(step)
+        counts = _logits_rows(step)
+        starts = np.cumsum(counts) - counts
         sampling_ids = [step.req_ids[i] for i in np.flatnonzero(step.samples)]
         result: dict[str, list[Logprobs]] = {}
         for j, n in enumerate(asked.tolist()):

@@ -470,10 +470,11 @@ class Scheduler:
         step proposed (`ProposalRates`): those still running hold them as their
         `spec_token_ids`."""
         assert self.policy is not None
-        counted = np.array([(allowed[r.request_id], len(r.spec_token_ids)) for r in advanced
-                            if allowed.get(r.request_id)], dtype=np.int64).reshape(-1, 2)
-        counted = self._depth(counted)
-        self.policy.observe_proposals(counted[:, 0].tolist(), counted[:, 1].tolist())
+        counted = [(allowed[r.request_id], len(r.spec_token_ids)) for r in advanced
+                   if allowed.get(r.request_id)]
+        if self.tree is not None:  # learnt by depth
+            counted = [(self.tree.depth(k), self.tree.depth(got)) for k, got in counted]
+        self.policy.observe_proposals([k for k, _ in counted], [got for _, got in counted])
 
     def _predict_seconds(self, record: StepRecord, output: SchedulerOutput) -> None:
         """What the policy's time model expects of the step just planned (a metric)."""

@@ -46,14 +46,14 @@ class SpeculativeConfig:
 
     `options["draft_top_k"]` (model methods; default 1): T > 1 drafts a tree, the
     chain of greedy drafts plus, at each depth, the next T - 1 candidates as leaves
-    (runner/draft_tree.py; a list gives a width per depth, spec_decode/tree_shape.py);
-    the drafter's passes follow the tree's depth (`SpecMethod.drafting_trees`), and the
-    goodput policy chooses and learns a depth, charging the nodes to it
-    (scheduler/budget.py `TreeDepthRule`). A request's drafts are then listed depth by depth, the
-    chain's first ([a1, b1, a2, b2, ...] for T = 2), so K counts every node, as
-    vLLM's tree does, and any prefix of the list is a tree: the scheduler's budget
-    rule, cuts and charges hold unchanged, and a leaf that matches the target's token
-    after a rejected draft wins one more token from its own row.
+    (runner/draft_tree.py; a list gives a width per depth, spec_decode/tree_shape.py).
+    A request's drafts are then listed depth by depth, the chain's first ([a1, b1, a2,
+    b2, ...] for T = 2), so K counts every node, as vLLM's tree does, and any prefix of
+    the list is a tree: the scheduler's budget rule, cuts and charges hold unchanged,
+    and a leaf that matches the target's token after a rejected draft wins one more
+    token from its own row. The drafter's passes follow the tree's depth
+    (`SpecMethod.drafting_trees`), and the goodput policy chooses and learns a depth,
+    charging the nodes to it (scheduler/budget.py `TreeDepthRule`).
     """
 
     method: str

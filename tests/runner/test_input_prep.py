@@ -78,7 +78,7 @@ def test_a_draft_tree_s_rows() -> None:
     # Slots follow the rows, leaves included: a's positions 9..14 in its blocks 2, 3
     # (ids 4, 5).
     assert buffers.slot_mapping.np[:6].tolist() == [17, 18, 19, 20, 21, 22]
-    assert step.has_leaves and step.chain.tolist() == [3, 0]
+    assert step.has_leaves and step.num_chain.tolist() == [3, 0]
     assert buffers.logits_indices.np[:step.num_logits].tolist() == [0, 1, 2, 3, 6]
 
 
