@@ -22,12 +22,15 @@ class PreparedStep:
     num_tokens: int  # total rows of the target pass
     samples: np.ndarray  # [num_reqs] bool: the chunk reaches a sampling position
     num_spec: np.ndarray  # [num_reqs] drafts verified
-    num_logits: int  # rows of logits to compute (1 + s per sampling request)
+    num_logits: int  # rows of logits verification reads (1 + s per sampling request)
     max_query_len: int
     max_seq_len: int
     # [num_reqs] drafts verified in the chain (s but for a tree's leaves: draft_tree.py)
     num_chain: np.ndarray
     has_leaves: bool  # some row is a tree's leaf (AttentionMetadata.tree_prefix)
+    # Leaf rows of sampling requests, listed in `logits_indices` after the num_logits
+    # rows verification reads (their logits are wanted only where a leaf is matched).
+    num_leaf_logits: int = 0
 
 
 def write_spec_tokens(states: RequestStates, spec: dict[str, list[int]],
@@ -67,12 +70,12 @@ def prepare_inputs(states: RequestStates, buffers: StepBuffers, req_ids: list[st
 
     buffers.positions.np[:total] = positions
     buffers.input_ids.np[:total] = states.token_ids[token_rows, positions]
-    chain, has_leaves = num_spec, False
+    chain, leaves = num_spec, np.zeros(total, dtype=bool)
     if shape is not None and not shape.is_chain and num_spec.any():
         chain = shape.depth(num_spec)
         draft_index = offsets - (num_scheduled - num_spec)[req_index]
         moved, tree = tree_positions(positions, num_spec[req_index], draft_index, shape)
-        has_leaves = bool((tree >= 0).any())
+        leaves = tree >= 0
         buffers.positions.np[:total] = moved  # a leaf's rope position (its slot stays)
         buffers.tree_prefix.np[:total] = tree
     block_ids = states.block_table[token_rows, positions // block_size]
@@ -96,10 +99,12 @@ def prepare_inputs(states: RequestStates, buffers: StepBuffers, req_ids: list[st
                                                       num_logits_per_req)
     buffers.logits_indices.np[:num_logits] = (cu_num[logit_req] - 1 - num_spec[logit_req]
                                               + logit_offsets)
+    leaf_rows = np.flatnonzero(leaves & samples[req_index])
+    buffers.logits_indices.np[num_logits:num_logits + len(leaf_rows)] = leaf_rows
     return PreparedStep(
         req_ids=req_ids, rows=rows, num_scheduled=num_scheduled, num_tokens=total,
         samples=samples, num_spec=num_spec, num_logits=num_logits,
         max_query_len=int(num_scheduled.max()) if num_reqs else 0,
         max_seq_len=int(seq_lens.max()) if num_reqs else 0,
-        num_chain=chain, has_leaves=has_leaves,
+        num_chain=chain, has_leaves=bool(leaves.any()), num_leaf_logits=len(leaf_rows),
     )

@@ -22,7 +22,7 @@ import torch
 from runner.attention import AttentionMetadata, get_attention_backend
 from runner.buffers import StepBuffers
 from runner.config import DTYPES, RunnerConfig, kv_bytes_per_block
-from runner.draft_tree import compact, match_leaves
+from runner.draft_tree import LeafLogits, compact, leaf_logits_up_front, match_leaves
 from runner.feature_capture import FeatureCapture
 from runner.input_prep import PreparedStep, prepare_inputs, write_spec_tokens
 from runner.invariant import StepFacts, check_step
@@ -292,10 +292,15 @@ class ModelRunner:
             if self.capture is not None:
                 self.capture.record(step.req_ids, computed, step.num_scheduled, features,
                                     hidden[:step.num_tokens])
-            logits_idx = self.buffers.logits_indices.copy_to_device(step.num_logits)
-            logits = self.model.compute_logits(hidden[logits_idx])  # [num_logits, V]
+            num_leaves = leaf_logits_up_front(step.num_logits, step.num_leaf_logits,
+                                              self.model.logits_rows_per_call)
+            logits_idx = self.buffers.logits_indices.copy_to_device(step.num_logits + num_leaves)
+            logits = self.model.compute_logits(hidden[logits_idx])  # [num_logits (+ leaves), V]
         with self._phase("sample"):
-            emitted, logprobs, leaf_hits = self._sample(step, logits, spec, hidden, features)
+            leaves = LeafLogits(self.buffers.logits_indices.np[step.num_logits:][:num_leaves],
+                                logits[step.num_logits:]) if num_leaves else None
+            emitted, logprobs, leaf_hits = self._sample(step, logits[:step.num_logits], spec,
+                                                        hidden, features, leaves)
             result = self._record(step, computed, emitted, k, planned)
         with self._phase("draft"):
             # Timed on its own for the goodput policy's step-time model. The sampled
@@ -359,7 +364,7 @@ class ModelRunner:
         )
 
     def _sample(self, step: PreparedStep, logits: torch.Tensor, spec: dict[str, list[int]],
-                hidden: torch.Tensor, features: torch.Tensor
+                hidden: torch.Tensor, features: torch.Tensor, leaves: LeafLogits | None
                 ) -> tuple[list[list[int]], dict[str, list[Logprobs]], int]:
         """Tokens emitted per sampling request (in order), logprobs where asked, and
         how many verifications a tree's leaf won."""
@@ -375,14 +380,15 @@ class ModelRunner:
             emitted = self.spec.verify(sampling_ids, chains, allowed, meta)
             if step.has_leaves:
                 leaf_logits = self._leaf_bonus(step, emitted, [spec.get(r, []) for r in
-                                                               sampling_ids], hidden, features)
+                                                               sampling_ids], hidden, features,
+                                               leaves)
         else:
             emitted = [[t] for t in self.sampler(allowed, meta).sampled_token_ids.tolist()]
         return emitted, self._logprobs(step, logits, emitted, leaf_logits), len(leaf_logits)
 
     def _leaf_bonus(self, step: PreparedStep, emitted: list[list[int]],
-                    drafts: list[list[int]], hidden: torch.Tensor, features: torch.Tensor
-                    ) -> dict[int, torch.Tensor]:
+                    drafts: list[list[int]], hidden: torch.Tensor, features: torch.Tensor,
+                    leaves: LeafLogits | None) -> dict[int, torch.Tensor]:
         """Where a request's recovered token matched a leaf of its tree, one more token
         sampled from the leaf's row, appended to `emitted`; the leaf's K/V and features
         moved to the chain's place (runner/draft_tree.py). The raw logits of each
@@ -394,8 +400,9 @@ class ModelRunner:
         hits = match_leaves(emitted, drafts, self.shape, first_draft[sampling].tolist())
         if not hits.leaf_rows:
             return {}
-        logits = self.model.compute_logits(
-            hidden[torch.as_tensor(hits.leaf_rows, device=hidden.device)])
+        logits = (leaves.of(hits.leaf_rows) if leaves is not None else
+                  self.model.compute_logits(
+                      hidden[torch.as_tensor(hits.leaf_rows, device=hidden.device)]))
         state_rows = step.rows[sampling[hits.sampling_index]]
         ahead = np.array([len(emitted[j]) for j in hits.sampling_index], dtype=np.int64)
         allowed = before_min_tokens(self.states, logits, state_rows,

@@ -28,6 +28,9 @@ class PackedLinear(ABC):
     """One layer's weight (and bias) in the kernel's layout."""
 
     out_features: int
+    # Rows a call takes at most (a wider call runs as several, each streaming the
+    # weight again); None: any number.
+    max_rows: int | None = None
 
     @abstractmethod
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,20 +142,20 @@ class OneDNNLinear(LinearKernel):
 
 class _RowCappedPacked(PackedLinear):
     def __init__(self, inner: PackedLinear, max_rows: int) -> None:
-        self.inner, self.max_rows = inner, max_rows
+        self.inner, self.cap = inner, max_rows
+        self.max_rows = max_rows
         self.out_features = inner.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.max_rows:
+        if x.shape[0] <= self.cap:
             return self.inner(x)
-        return torch.cat([self.inner(part) for part in x.split(self.max_rows)])
+        return torch.cat([self.inner(part) for part in x.split(self.cap)])
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.max_rows:
+        if x.shape[0] <= self.cap:
             return self.inner.add(x, residual)
         return torch.cat([self.inner.add(part, res) for part, res in
-                          zip(x.split(self.max_rows), residual.split(self.max_rows),
-                              strict=True)])
+                          zip(x.split(self.cap), residual.split(self.cap), strict=True)])
 
 
 class RowCapped(LinearKernel):

@@ -405,6 +405,12 @@ class LlamaForCausalLM(nn.Module):
         features = torch.cat(aux, dim=-1) if aux else x[:, :0]
         return self.model.norm(x), features
 
+    @property
+    def logits_rows_per_call(self) -> int | None:
+        """Rows one call of the LM head takes before it streams its weight again (None:
+        any number)."""
+        return None if self._lm_head is None else self._lm_head.max_rows
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in fp32 (sampling wants fp32)."""
         if self._lm_head is not None:

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from runner.draft_tree import compact, match_leaves, tree_positions
+from runner.draft_tree import (
+    LeafLogits,
+    compact,
+    leaf_logits_up_front,
+    match_leaves,
+    tree_positions,
+)
 from spec_decode.tree_shape import TreeShape
 
 
@@ -97,6 +103,28 @@ def test_compaction_moves_the_leaf_s_kv_and_features_only() -> None:
             assert torch.equal(flat[others], flat_old[others])
     assert features[2].tolist() == [8.0, 9.0] and features[4].tolist() == [8.0, 9.0]
     assert features[[0, 1, 3]].tolist() == [[0.0, 1.0], [2.0, 3.0], [6.0, 7.0]]
+
+
+@pytest.mark.parametrize(("num_logits", "leaves", "per_call", "up_front"), [
+    (5, 4, 32, 4),  # one request's [4, 2, 1]: 9 rows, one call either way
+    (28, 4, 32, 4),  # fills the call exactly
+    (30, 4, 32, 0),  # would spill into a second call
+    (80, 16, 32, 16),  # 3 calls either way
+    (64, 4, 32, 0),  # 2 calls, then 3
+    (5, 4, None, 4),  # a head with no cap (unpacked, the GPU)
+    (5, 0, 32, 0),
+])
+def test_leaf_logits_ride_along_where_they_cost_no_call(
+        num_logits: int, leaves: int, per_call: int | None, up_front: int) -> None:
+    assert leaf_logits_up_front(num_logits, leaves, per_call) == up_front
+
+
+def test_leaf_logits_are_found_by_row_and_copied() -> None:
+    pool = LeafLogits(np.array([4, 5, 11]), torch.arange(9.).view(3, 3))
+    got = pool.of([11, 4])
+    assert got.tolist() == [[6.0, 7.0, 8.0], [0.0, 1.0, 2.0]]
+    got.fill_(-1)  # sampling masks its copy, not the pool
+    assert pool.logits[0].tolist() == [0.0, 1.0, 2.0]
 
 
 @pytest.mark.parametrize(("method", "target", "passes", "ahead"), [

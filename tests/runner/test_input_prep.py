@@ -63,8 +63,9 @@ def test_no_requests_is_an_empty_step() -> None:
 def test_a_draft_tree_s_rows() -> None:
     """a verifies a tree of five drafts [a1 b1 a2 b2 a3] (T = 2) from position 10 after
     its token at 9; c decodes alone. a's rows: t0 a1 a2 a3 then the leaves b1 b2, each
-    at its chain draft's position, seeing the keys before it; its logits rows are t0
-    and the chain's only (a leaf's are read where it matches)."""
+    at its chain draft's position, seeing the keys before it; the logits rows
+    verification reads are t0 and the chain's, and the leaves' rows are listed after
+    every request's (computed with them where they fit the LM head's call)."""
     states = states_with([("a", 10, 9, [3, 1, 4, 5]), ("c", 10, 9, [8, 0, 7])])
     write_spec_tokens(states, {"a": [51, 61, 52, 62, 53]}, TreeShape((2,), 8))
     assert states.token_ids[0, 10:15].tolist() == [51, 52, 53, 61, 62]
@@ -80,6 +81,8 @@ def test_a_draft_tree_s_rows() -> None:
     assert buffers.slot_mapping.np[:6].tolist() == [17, 18, 19, 20, 21, 22]
     assert step.has_leaves and step.num_chain.tolist() == [3, 0]
     assert buffers.logits_indices.np[:step.num_logits].tolist() == [0, 1, 2, 3, 6]
+    assert step.num_leaf_logits == 2
+    assert buffers.logits_indices.np[step.num_logits:][:2].tolist() == [4, 5]
 
 
 def test_a_chain_has_no_tree_rows() -> None:
@@ -87,6 +90,6 @@ def test_a_chain_has_no_tree_rows() -> None:
     write_spec_tokens(states, {"a": [51, 52]})
     buffers = StepBuffers(16, 4, 8, torch.device("cpu"))
     step = prepare_inputs(states, buffers, ["a"], np.array([3]), np.array([2]), BLOCK)
-    assert not step.has_leaves
+    assert not step.has_leaves and step.num_leaf_logits == 0
     assert buffers.positions.np[:3].tolist() == [9, 10, 11]
     assert buffers.logits_indices.np[:3].tolist() == [0, 1, 2]
