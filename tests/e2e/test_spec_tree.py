@@ -146,6 +146,34 @@ def test_trees_at_the_length_limits(cut_draft: Path) -> None:
     assert (tokens, reasons) == run_cases(None)[1:]
 
 
+def test_stops_inside_a_step_a_leaf_extended(cut_draft: Path) -> None:
+    """Stop token ids and stop strings taken from speculation off's own answers, at
+    positions through them: a stop that lands on a recovered token (a leaf then adds
+    its bonus after it) or on a leaf's bonus must end the answer where off's ends,
+    text and finish reason alike, and drop what the step emitted after it."""
+    engines = {name: LLM(loaded_model=default_model(), speculative_config=spec,
+                         max_num_seqs=4, max_model_len=256)
+               for name, spec in (("off", None), ("tree", tree_spec(cut_draft, 3)))}
+    prompts = PROMPTS[:4]
+    answers = [o.outputs[0].token_ids for o in engines["off"].generate(prompts, GREEDY,
+                                                                       use_tqdm=False)]
+    decode = engines["off"].tokenizer.decode
+    stops = [SamplingParams(max_tokens=16, ignore_eos=True,
+                            stop_token_ids=tuple(a[at] for a in answers)) for at in (2, 5, 9)]
+    stops += [SamplingParams(max_tokens=16, ignore_eos=True,
+                             stop=tuple(decode(a[at:at + 2]) for a in answers))
+              for at in (3, 7)]
+    for params in stops:
+        got = {name: [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+                      for o in llm.generate(prompts, params, use_tqdm=False)]
+               for name, llm in engines.items()}
+        assert got["tree"] == got["off"]
+        assert all(len(ids) < 16 for ids, _, _ in got["off"])  # each stopped early
+    for llm in engines.values():
+        assert llm.engine.scheduler.kv_cache_usage() == 0.0
+    assert engines["tree"].get_metrics()["spec_decode"]["num_leaf_hits"] > 0
+
+
 @pytest.mark.parametrize("method", ["eagle", "mtp", "parallel", "dflash"])
 def test_a_head_drafts_trees_losslessly(method: str) -> None:
     """A head method's tree layout through its passes (an untrained head: leaves
