@@ -322,14 +322,7 @@ class ModelDrafter:
     def _widths(self, reqs: list[int]) -> list[int] | None:
         """Candidates each readout row lists: a request's readout rows read its depths
         in order from the first (None: a chain's one each)."""
-        if self.shape.is_chain:
-            return None
-        widths, depth, last = [], 0, -1
-        for req in reqs:
-            depth = depth + 1 if req == last else 1
-            last = req
-            widths.append(self.shape.width(depth))
-        return widths
+        return None if self.shape.is_chain else self.shape.readout_widths(reqs)
 
     def _sequential(self, res: StepResult, drafts: dict[int, list[int]], chain: dict[int, int],
                     last_hidden: dict[int, torch.Tensor], gate: ConfidenceGate) -> None:

@@ -38,10 +38,18 @@ def greedy_with_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 def top_with_confidence(logits: torch.Tensor, top_k: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's `top_k` ids, best first ([N, top_k]; the first is `greedy_ids`'s), and
-    the best one's probability ([N] fp32, as `greedy_with_confidence`)."""
+    """Each row's `top_k` distinct ids, best first ([N, top_k]; the first is
+    `greedy_ids`'s, so ties are broken as a chain breaks them), and the best one's
+    probability ([N] fp32, as `greedy_with_confidence`)."""
     values, ids = torch.topk(logits, top_k, dim=-1)
-    ids[:, 0] = greedy_ids(logits)  # ties broken as the chain breaks them
+    greedy = greedy_ids(logits)
+    # topk orders equal values as it likes: the greedy id moves to the front, trading
+    # places with the id there (or replacing it, where more ids tie than were listed).
+    found = ids == greedy[:, None]
+    where = torch.where(found.any(dim=-1), found.int().argmax(dim=-1), 0)
+    rows = torch.arange(len(ids), device=ids.device)
+    ids[rows, where] = ids[:, 0].clone()
+    ids[:, 0] = greedy
     return ids, torch.exp(values[:, 0].float() - torch.logsumexp(logits.float(), dim=-1))
 
 

@@ -32,6 +32,8 @@ class TreeShape:
     starts: np.ndarray = field(init=False, repr=False, compare=False)
     # The depth of each leaf among `max_entries` list entries, leaves in list order.
     leaf_depth: np.ndarray = field(init=False, repr=False, compare=False)
+    # One candidate a depth (asked on every step: kept, not recounted).
+    is_chain: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.widths or min(self.widths) < 1:
@@ -44,14 +46,23 @@ class TreeShape:
                            [self.width(d) - 1 for d in range(1, len(starts))])
         object.__setattr__(self, "starts", np.asarray(starts, dtype=np.int64))
         object.__setattr__(self, "leaf_depth", leaves[:self.max_entries].astype(np.int64))
-
-    @property
-    def is_chain(self) -> bool:
-        return all(width == 1 for width in self.widths)
+        object.__setattr__(self, "is_chain", all(width == 1 for width in self.widths))
 
     def width(self, depth: int) -> int:
         """Candidates listed at `depth` (1-based)."""
         return self.widths[min(depth, len(self.widths)) - 1]
+
+    def readout_widths(self, reqs: list[int]) -> list[int]:
+        """Candidates listed at each of a pass's readout rows (row i a depth of request
+        `reqs[i]`), where a request's rows read its depths in order from the first:
+        reqs [4, 4, 4, 7] read depths [1, 2, 3, 1]."""
+        order = np.asarray(reqs)
+        index = np.arange(len(order))
+        first = np.ones(len(order), dtype=bool)
+        first[1:] = order[1:] != order[:-1]
+        depth = index - np.maximum.accumulate(np.where(first, index, 0)) + 1
+        widths = np.asarray(self.widths)[np.minimum(depth, len(self.widths)) - 1]
+        return [int(w) for w in widths]
 
     def depth(self, k: IntLike) -> IntLike:
         """How deep a list of k drafts goes (k for a chain)."""

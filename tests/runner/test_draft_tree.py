@@ -187,3 +187,12 @@ def test_a_shape_s_leaves_and_nodes() -> None:
     assert wide.nodes(2) == 5 and wide.nodes(np.array([0, 1, 3])).tolist() == [0, 3, 7]
     assert shape(1).leaf_depth.tolist() == [] and shape(1).nodes(3) == 3
     assert [wide.leaf_ordinal(i) for i in (1, 2, 4, 6)] == [0, 1, 2, 3]
+
+
+def test_readout_rows_list_their_depth_s_width() -> None:
+    """A pass reads out each request's depths in order (a parallel or dflash head's
+    several readout rows a request; an eagle step's one each)."""
+    wide = shape(4, 2, 1)
+    assert wide.readout_widths([4, 4, 4, 4, 7, 9, 9]) == [4, 2, 1, 1, 4, 4, 2]
+    assert wide.readout_widths([]) == []
+    assert shape(1).is_chain and not wide.is_chain

@@ -10,7 +10,13 @@ import torch
 
 from runner.sampler import Sampler, SamplerOutput
 from scheduler.request import SamplingParams
-from spec_decode.sampling import apply_min_p, apply_top_k_top_p, greedy_ids, position_seed
+from spec_decode.sampling import (
+    apply_min_p,
+    apply_top_k_top_p,
+    greedy_ids,
+    position_seed,
+    top_with_confidence,
+)
 from tests.sampling_helpers import chi2_critical, chi2_statistic, sampling_metadata
 
 VOCAB = 64
@@ -66,6 +72,24 @@ def test_greedy_ids_break_ties_at_the_first_maximum_as_argmax_does(
     assert ids.dtype == torch.int64
     assert torch.equal(ids, logits.argmax(dim=-1))
     assert int(ids[0]) == 17
+
+
+@pytest.mark.parametrize("top_k", [2, 4, 8])
+def test_a_tree_s_candidates_start_with_the_greedy_pick_and_repeat_none(top_k: int) -> None:
+    """Drafted trees list the greedy draft, then the next candidates: among tied
+    logits topk orders ids as it likes, and none may be listed twice (a wasted row)."""
+    gen = torch.Generator().manual_seed(top_k)
+    logits = torch.randint(-2, 3, (64, 8192), generator=gen).float()
+    logits[0, 100::500] = 9.0  # more maxima than candidates
+    logits[1, [3, 40, 900]] = 9.0  # fewer
+    ids, _ = top_with_confidence(logits, top_k)
+    assert torch.equal(ids[:, 0], greedy_ids(logits))
+    assert all(len(set(row)) == top_k for row in ids.tolist())
+    values = logits.gather(1, ids)
+    assert torch.equal(values[:, 1:].max(dim=-1).values <= values[:, 0],
+                       torch.ones(64, dtype=torch.bool))
+    assert torch.equal(values.sort(dim=-1, descending=True).values,
+                       torch.topk(logits, top_k, dim=-1).values)
 
 
 def test_a_greedy_pick_that_takes_the_last_maximum_is_caught() -> None:
