@@ -12,7 +12,7 @@ separated by ";". K is the shape's node count at `--depth`.
 
     python benchmarks/draft_trees.py [--quick] [--method eagle] [--depth 4]
         [--shapes "1;2;3;4,2,1"] [--prompts 24] [--max-tokens 64] [--head DIR]
-        [--policy fixed|fit|goodput] [--gate G] [--out PATH]
+        [--policy fixed|fit|goodput] [--gate G] [--interleave steps|requests] [--out PATH]
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--policy", default="fixed", help="draft_policy of every run")
     parser.add_argument("--gate", type=float, default=None,
                         help="min_draft_confidence (chain methods; default: the engine's)")
+    parser.add_argument("--interleave", choices=("steps", "requests"), default="steps",
+                        help="engines take turns a step or a whole request at a time "
+                             "(engine/stepwise.py)")
     args = parser.parse_args(argv)
 
     from training.served import side_by_side
@@ -59,11 +62,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     specs = [{"method": args.method, "model": head, "draft_policy": args.policy, **gate,
               "num_speculative_tokens": nodes(widths, args.depth), "draft_top_k": widths}
              for widths in shapes]
-    off, *runs = side_by_side(model, [None, *specs], prompts, args.max_tokens)
+    off, *runs = side_by_side(model, [None, *specs], prompts, args.max_tokens,
+                              by_request=args.interleave == "requests")
     report = {"benchmark": "draft_trees", "quick": args.quick, "method": args.method,
               "depth": args.depth, "policy": args.policy,
               "head": args.head or "trained default",
               "gate": args.gate, "prompts": args.prompts, "max_tokens": args.max_tokens,
+              "interleave": args.interleave,
               "tokens_per_s_off": round(off["tokens_per_s"], 2),
               "results": {",".join(map(str, widths)): _row(run, off, spec, args.depth)
                           for widths, run, spec in zip(shapes, runs, specs, strict=True)}}

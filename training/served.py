@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.llm import LLM
-from engine.stepwise import run_side_by_side
+from engine.stepwise import run_request_by_request, run_side_by_side
 from runner.draft_gate import TRAINED_HEAD_MIN_CONFIDENCE
 from runner.models.llama import LlamaForCausalLM
 from scheduler import SamplingParams
@@ -50,17 +50,21 @@ def _spec_counts(before: dict[str, Any], after: dict[str, Any]
 
 
 def side_by_side(model: LlamaForCausalLM, specs: list[dict[str, Any] | None],
-                 prompts: list[str], max_tokens: int) -> list[dict[str, Any]]:
-    """One side-by-side run of each configuration (greedy, one request at a time):
-    tok/s, outputs, and drafts made and accepted per position and verifications."""
+                 prompts: list[str], max_tokens: int, by_request: bool = False
+                 ) -> list[dict[str, Any]]:
+    """One side-by-side run of each configuration (greedy, one request at a time),
+    engines taking turns a step at a time (or, `by_request`, a request at a time:
+    engine/stepwise.py): tok/s, outputs, and drafts made and accepted per position and
+    verifications."""
     engines: list[LLM] = []
     try:
         engines.extend(_engine(model, spec) for spec in specs)
         rendered = [engines[0].tokenizer.apply_chat_template([{"role": "user", "content": p}])
                     for p in prompts]
         befores = [llm.get_metrics()["spec_decode"] for llm in engines]
-        seconds, outs = run_side_by_side(
-            engines, rendered, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        run = run_request_by_request if by_request else run_side_by_side
+        seconds, outs = run(engines, rendered,
+                            SamplingParams(max_tokens=max_tokens, temperature=0.0))
         runs = []
         for llm, before, took, got in zip(engines, befores, seconds, outs, strict=True):
             drafted, accepted, drafts, leaf_hits = _spec_counts(

@@ -674,3 +674,15 @@ def test_draft_trees_quick(tmp_path: Path) -> None:
     assert chain["lossless"] and tree["lossless"]
     assert (chain["k"], tree["k"]) == (3, 7)
     assert chain["leaf_hits"] == 0 and tree["verifications"] > 0
+
+
+@pytest.mark.model
+def test_draft_trees_request_by_request(tmp_path: Path) -> None:
+    """The engines taking turns a whole request at a time: the same outputs as off's."""
+    from benchmarks import draft_trees
+
+    report = draft_trees.main(["--quick", "--head", "random", "--shapes", "2",
+                               "--depth", "2", "--interleave", "requests",
+                               "--out", str(tmp_path / "t.json")])
+    assert report["interleave"] == "requests"
+    assert report["results"]["2"]["lossless"] and report["results"]["2"]["verifications"] > 0

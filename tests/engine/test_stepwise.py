@@ -10,7 +10,7 @@ import pytest
 
 import engine.stepwise as stepwise
 from engine.llm import LLM
-from engine.stepwise import run_side_by_side
+from engine.stepwise import run_request_by_request, run_side_by_side
 from scheduler import SamplingParams
 
 
@@ -82,3 +82,35 @@ def test_engines_step_over_a_frozen_heap_that_thaws_after() -> None:
     with pytest.raises(RuntimeError, match="step failed"):
         run_side_by_side(cast(list[LLM], [Failing()]), ["p"], SamplingParams())
     assert gc.get_freeze_count() == 0
+
+
+class _Requester:
+    """Stands in for an LLM serving whole requests: each prompt costs `cost` seconds
+    of the clock a character, logs (engine, prompt, frozen objects) and comes back as
+    its own output."""
+
+    def __init__(self, name: int, cost: float, log: list[tuple[int, str, int]],
+                 clock: _Clock) -> None:
+        self.name, self.cost, self.log, self.clock = name, cost, log, clock
+
+    def generate(self, prompts: list[str], params: Any, use_tqdm: bool) -> list[str]:
+        assert len(prompts) == 1 and not use_tqdm
+        self.clock.now += self.cost * len(prompts[0])
+        self.log.append((self.name, prompts[0], gc.get_freeze_count()))
+        return [prompts[0].upper()]
+
+
+def test_engines_take_turns_a_request_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every prompt is served whole by each engine in turn, who goes first rotating
+    prompt by prompt; each engine is timed by its own requests, outputs in prompt
+    order, over a frozen heap that thaws after."""
+    clock, log = _Clock(), []
+    monkeypatch.setattr(stepwise, "time", clock)
+    engines = [_Requester(0, 1.0, log, clock), _Requester(1, 10.0, log, clock)]
+    seconds, outs = run_request_by_request(cast(list[LLM], engines), ["a", "bb", "ccc"],
+                                           SamplingParams())
+    assert [(name, prompt) for name, prompt, _ in log] == [
+        (0, "a"), (1, "a"), (1, "bb"), (0, "bb"), (0, "ccc"), (1, "ccc")]
+    assert seconds == [6.0, 60.0]
+    assert outs == [["A", "BB", "CCC"], ["A", "BB", "CCC"]]
+    assert all(frozen > 10_000 for _, _, frozen in log) and gc.get_freeze_count() == 0
