@@ -7,8 +7,10 @@ percent over seconds, so each ratio pairs steps made ~50 ms apart): first the ne
 at fixed K (the acceptance per position: every request drafts all K), then, with that
 acceptance recorded where an engine loading the head reads it, the new head under the
 engine's default draft policy with K its most (the tok/s a user gets who only names
-the method). Every speculative output must equal speculation off's: a head that
-changed an output would be a bug, and the figure says so.
+the method), and beside it the head drafting trees of `SERVED_TREE` (the tok/s a user
+gets who asks for them: `draft_top_k`, runner/draft_tree.py). Every speculative
+output must equal speculation off's: a head that changed an output would be a bug,
+and the figure says so.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ from runner.draft_gate import TRAINED_HEAD_MIN_CONFIDENCE
 from runner.models.llama import LlamaForCausalLM
 from scheduler import SamplingParams
 from spec_decode import SpeculativeConfig, get_method
+from spec_decode.tree_shape import TreeShape
 from training.prompts import instructions
+
+# The tree the served figure also drafts: [4, 2, 1] served each trained head fastest
+# of the shapes measured (README "Drafted token trees": eagle 1.45-1.51x off against
+# its chain's 1.35-1.40x, parallel 1.39x against 1.30x, dflash 1.23-1.25x against
+# 1.15-1.16x).
+SERVED_TREE = (4, 2, 1)
 
 
 def _engine(model: LlamaForCausalLM, spec: dict[str, Any] | None) -> LLM:
@@ -110,9 +119,11 @@ def served_figures(model: LlamaForCausalLM, head_dir: Path, method: str, k: int,
         figures["proposal_rates"] = proposal_rates(on, gated[0], k)
         figures["min_draft_confidence"] = TRAINED_HEAD_MIN_CONFIDENCE
     record_served(head_dir, figures)
-    off_default, default = (list(runs) for runs in zip(
-        *(side_by_side(model, [None, {**spec, "draft_policy": default_policy}], prompts,
-                       max_tokens) for _ in range(rounds)), strict=True))
+    tree = {**fixed, "num_speculative_tokens": TreeShape(SERVED_TREE, 8 * k).nodes(k),
+            "draft_top_k": list(SERVED_TREE)}
+    off_default, default, trees = (list(runs) for runs in zip(
+        *(side_by_side(model, [None, {**spec, "draft_policy": default_policy}, tree],
+                       prompts, max_tokens) for _ in range(rounds)), strict=True))
     offs = off + off_default
     served = gated[0] if gated else on
     return {
@@ -127,9 +138,24 @@ def served_figures(model: LlamaForCausalLM, head_dir: Path, method: str, k: int,
         "tokens_per_s_default_policy": round(statistics.median(
             r["tokens_per_s"] for r in default), 2),
         "speedup_vs_off_default_policy": _speedup(off_default, default),
+        "tree": _tree_figures(tree, off_default, trees, k),
         "lossless": all(r["outputs"] == off[0]["outputs"]
-                        for r in offs + on + served + default),
+                        for r in offs + on + served + default + trees),
     }
+
+
+def _tree_figures(spec: dict[str, Any], off: list[dict[str, Any]],
+                  runs: list[dict[str, Any]], depth: int) -> dict[str, Any]:
+    """The head drafting SERVED_TREE's trees (fixed policy, `depth` deep), side by side
+    with off: a verification reaches depth d at most once, so the accepted count at
+    list position d is its reach there."""
+    drafts = sum(r["drafts"] for r in runs)
+    accepted = _per_position(runs, "accepted", depth)
+    return {"draft_top_k": spec["draft_top_k"], "k": spec["num_speculative_tokens"],
+            "mean_acceptance_length": round(1 + sum(accepted) / drafts, 3) if drafts else None,
+            "reach_per_depth": [round(a / drafts, 4) if drafts else None for a in accepted],
+            "leaf_hits": sum(r["leaf_hits"] for r in runs), "verifications": drafts,
+            "speedup_vs_off": _speedup(off, runs)}
 
 
 def _speedup(off: list[dict[str, Any]], runs: list[dict[str, Any]]) -> float:

@@ -17,8 +17,9 @@ from runner.eagle3 import measured_acceptance
 def fake_rounds(head_dir: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
     """Each round returns off (10 tok/s) and its configurations: 14 tok/s, 15 for one
     with the trained head's default confidence gate (no `min_draft_confidence` given)
-    after one with the gate off; the policy of the first configuration and the prior
-    a head loaded then would have, per round."""
+    after one with the gate off, 16 for trees (30 verifications, 12 won by a leaf);
+    the policy of the first configuration and the prior a head loaded then would have,
+    per round."""
     seen: list[tuple[str, Any]] = []
 
     def one_round(model: object, specs: list[dict[str, Any] | None], prompts: list[str],
@@ -26,12 +27,19 @@ def fake_rounds(head_dir: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple[s
         assert specs[0] is None and specs[1] is not None
         seen.append((specs[1]["draft_policy"], measured_acceptance(head_dir)))
         off = {"tokens_per_s": 10.0, "outputs": [[1, 2]], "drafted": [], "accepted": [],
-               "drafts": 0}
+               "drafts": 0, "leaf_hits": 0}
         on = {"tokens_per_s": 14.0, "outputs": [[1, 2]], "drafted": [40, 20],
-              "accepted": [20, 5], "drafts": 40}
+              "accepted": [20, 5], "drafts": 40, "leaf_hits": 0}
         gated = {**on, "tokens_per_s": 15.0, "drafted": [40, 10]}
-        return [off, *(gated if "min_draft_confidence" not in spec and len(specs) == 3
-                       else on for spec in specs[1:])]
+        tree = {**on, "tokens_per_s": 16.0, "drafted": [30, 30, 10], "accepted": [21, 6, 0],
+                "drafts": 30, "leaf_hits": 12}
+
+        def run(spec: dict[str, Any]) -> dict[str, Any]:
+            if "draft_top_k" in spec:
+                return tree
+            chain_gated = "min_draft_confidence" not in spec and spec["draft_policy"] == "fixed"
+            return gated if chain_gated and len(specs) == 3 else on
+        return [off, *(run(spec) for spec in specs[1:] if spec is not None)]
 
     monkeypatch.setattr(served, "side_by_side", one_round)
     return seen
@@ -76,3 +84,7 @@ def test_a_chain_method_measures_acceptance_with_every_chain_drawn_to_k(
     assert seen[1][1] is not None and seen[1][1].proposal_rates == (1.0, 0.5)
     assert seen[1][1].gate == got["min_draft_confidence"]
     assert got["speedup_vs_off_default_policy"] == 1.4
+    # Beside the default policy, trees of SERVED_TREE K deep, their K the nodes (2 deep).
+    assert got["tree"] == {"draft_top_k": [4, 2, 1], "k": 4 + 2, "mean_acceptance_length": 1.9,
+                           "reach_per_depth": [0.7, 0.2], "leaf_hits": 12,
+                           "verifications": 30, "speedup_vs_off": 1.6}
