@@ -1,10 +1,11 @@
 """Drafted token trees (`draft_top_k`, runner/draft_tree.py) against chains: a trained
 head served with several tree shapes of one depth, each stepped side by side with
-speculation off (training/served.py `side_by_side`: one request at a time, greedy,
-held-out instructions), under the fixed policy (or `--policy`). Per shape: tok/s against off, mean
-acceptance length (tokens a verification), how often a verification reached each
-depth (`reach`: the first is the acceptance at position 1), verifications won by a
-leaf, and whether every output equals off's.
+speculation off (training/served.py `side_by_side`: one request at a time unless
+`--concurrency` says more, greedy, held-out instructions), under the fixed policy (or
+`--policy`). Per shape: tok/s against off, mean acceptance length (tokens a
+verification), how often a verification reached each depth (`reach`: the first is the
+acceptance at position 1), verifications won by a leaf, and whether every output
+equals off's.
 
 A shape is a list of widths per depth, the last repeating ("1" is the chain, "4,2,1"
 lists four candidates at the first depth, two at the second, then a chain); shapes are
@@ -12,7 +13,8 @@ separated by ";". K is the shape's node count at `--depth`.
 
     python benchmarks/draft_trees.py [--quick] [--method eagle] [--depth 4]
         [--shapes "1;2;3;4,2,1"] [--prompts 24] [--max-tokens 64] [--head DIR]
-        [--policy fixed|fit|goodput] [--gate G] [--interleave steps|requests] [--out PATH]
+        [--policy fixed|fit|goodput] [--gate G] [--interleave steps|requests]
+        [--concurrency N] [--out PATH]
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="min_draft_confidence (chain methods; default: the engine's)")
     parser.add_argument("--interleave", choices=("steps", "requests"), default="steps",
                         help="engines take turns a step or a whole request at a time "
-                             "(engine/stepwise.py)")
+                             "(engine/stepwise.py; requests: one running at a time)")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="requests running at most (all prompts queued at once)")
     args = parser.parse_args(argv)
 
     from training.served import side_by_side
@@ -63,12 +67,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "num_speculative_tokens": nodes(widths, args.depth), "draft_top_k": widths}
              for widths in shapes]
     off, *runs = side_by_side(model, [None, *specs], prompts, args.max_tokens,
-                              by_request=args.interleave == "requests")
+                              by_request=args.interleave == "requests",
+                              concurrency=args.concurrency)
     report = {"benchmark": "draft_trees", "quick": args.quick, "method": args.method,
               "depth": args.depth, "policy": args.policy,
               "head": args.head or "trained default",
               "gate": args.gate, "prompts": args.prompts, "max_tokens": args.max_tokens,
-              "interleave": args.interleave,
+              "interleave": args.interleave, "concurrency": args.concurrency,
               "tokens_per_s_off": round(off["tokens_per_s"], 2),
               "results": {",".join(map(str, widths)): _row(run, off, spec, args.depth)
                           for widths, run, spec in zip(shapes, runs, specs, strict=True)}}

@@ -36,8 +36,9 @@ from training.prompts import instructions
 SERVED_TREE = (4, 2, 1)
 
 
-def _engine(model: LlamaForCausalLM, spec: dict[str, Any] | None) -> LLM:
-    llm = LLM(loaded_model=model, speculative_config=spec, max_num_seqs=1,
+def _engine(model: LlamaForCausalLM, spec: dict[str, Any] | None,
+            max_num_seqs: int = 1) -> LLM:
+    llm = LLM(loaded_model=model, speculative_config=spec, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=256, max_model_len=1024)
     llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     return llm
@@ -59,15 +60,17 @@ def _spec_counts(before: dict[str, Any], after: dict[str, Any]
 
 
 def side_by_side(model: LlamaForCausalLM, specs: list[dict[str, Any] | None],
-                 prompts: list[str], max_tokens: int, by_request: bool = False
-                 ) -> list[dict[str, Any]]:
-    """One side-by-side run of each configuration (greedy, one request at a time),
-    engines taking turns a step at a time (or, `by_request`, a request at a time:
-    engine/stepwise.py): tok/s, outputs, and drafts made and accepted per position and
-    verifications."""
+                 prompts: list[str], max_tokens: int, by_request: bool = False,
+                 concurrency: int = 1) -> list[dict[str, Any]]:
+    """One side-by-side run of each configuration (greedy, `concurrency` requests
+    running at most), engines taking turns a step at a time (or, `by_request`, a
+    request at a time: engine/stepwise.py): tok/s, outputs, and drafts made and
+    accepted per position and verifications."""
+    if by_request and concurrency > 1:
+        raise ValueError("taking turns a request at a time runs one request at a time")
     engines: list[LLM] = []
     try:
-        engines.extend(_engine(model, spec) for spec in specs)
+        engines.extend(_engine(model, spec, concurrency) for spec in specs)
         rendered = [engines[0].tokenizer.apply_chat_template([{"role": "user", "content": p}])
                     for p in prompts]
         befores = [llm.get_metrics()["spec_decode"] for llm in engines]

@@ -663,16 +663,17 @@ def test_draft_confidence_quick(tmp_path: Path) -> None:
 
 @pytest.mark.model
 def test_draft_trees_quick(tmp_path: Path) -> None:
-    """An untrained head's chain and trees (3 deep): every output as off's, the tree's
-    K its node count, the JSON the report."""
+    """An untrained head's chain and trees (3 deep), two requests running: every output
+    as off's, the tree's K its node count, the JSON the report."""
     from benchmarks import draft_trees
 
     report = draft_trees.main(["--quick", "--head", "random", "--shapes", "1;3,2",
-                               "--depth", "3", "--out", str(tmp_path / "t.json")])
+                               "--depth", "3", "--concurrency", "2",
+                               "--out", str(tmp_path / "t.json")])
     assert json.loads((tmp_path / "t.json").read_text()) == report
     chain, tree = report["results"]["1"], report["results"]["3,2"]
     assert chain["lossless"] and tree["lossless"]
-    assert (chain["k"], tree["k"]) == (3, 7)
+    assert (chain["k"], tree["k"]) == (3, 7) and report["concurrency"] == 2
     assert chain["leaf_hits"] == 0 and tree["verifications"] > 0
 
 

@@ -88,3 +88,9 @@ def test_a_chain_method_measures_acceptance_with_every_chain_drawn_to_k(
     assert got["tree"] == {"draft_top_k": [4, 2, 1], "k": 4 + 2, "mean_acceptance_length": 1.9,
                            "reach_per_depth": [0.7, 0.2], "leaf_hits": 12,
                            "verifications": 30, "speedup_vs_off": 1.6}
+
+
+def test_requests_take_turns_only_one_at_a_time() -> None:
+    """Taking turns a whole request at a time has no meaning with several running."""
+    with pytest.raises(ValueError, match="one request at a time"):
+        served.side_by_side(None, [None], ["p"], 4, by_request=True, concurrency=2)  # type: ignore[arg-type]
