@@ -141,21 +141,23 @@ class OneDNNLinear(LinearKernel):
 
 
 class _RowCappedPacked(PackedLinear):
+    max_rows: int
+
     def __init__(self, inner: PackedLinear, max_rows: int) -> None:
-        self.inner, self.cap = inner, max_rows
-        self.max_rows = max_rows
+        self.inner, self.max_rows = inner, max_rows
         self.out_features = inner.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.cap:
+        if x.shape[0] <= self.max_rows:
             return self.inner(x)
-        return torch.cat([self.inner(part) for part in x.split(self.cap)])
+        return torch.cat([self.inner(part) for part in x.split(self.max_rows)])
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.cap:
+        if x.shape[0] <= self.max_rows:
             return self.inner.add(x, residual)
         return torch.cat([self.inner.add(part, res) for part, res in
-                          zip(x.split(self.cap), residual.split(self.cap), strict=True)])
+                          zip(x.split(self.max_rows), residual.split(self.max_rows),
+                              strict=True)])
 
 
 class RowCapped(LinearKernel):
