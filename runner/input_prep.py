@@ -30,7 +30,7 @@ class PreparedStep:
     has_leaves: bool  # some row is a tree's leaf (AttentionMetadata.tree_prefix)
     # Leaf rows of sampling requests, listed in `logits_indices` after the num_logits
     # rows verification reads (their logits are wanted only where a leaf is matched).
-    num_leaf_logits: int = 0
+    num_leaf_logits: int
 
 
 def write_spec_tokens(states: RequestStates, spec: dict[str, list[int]],
