@@ -14,11 +14,12 @@ separated by ";". K is the shape's node count at `--depth`.
     python benchmarks/draft_trees.py [--quick] [--method eagle] [--depth 4]
         [--shapes "1;2;3;4,2,1"] [--prompts 24] [--max-tokens 64] [--head DIR]
         [--policy fixed|fit|goodput] [--gate G] [--interleave steps|requests]
-        [--concurrency N] [--out PATH]
+        [--concurrency N] [--rounds N] [--out PATH]
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "(engine/stepwise.py; requests: one running at a time)")
     parser.add_argument("--concurrency", type=int, default=1,
                         help="requests running at most (all prompts queued at once)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="side-by-side runs; tok/s ratios are their medians")
     args = parser.parse_args(argv)
 
     from training.served import side_by_side
@@ -66,28 +69,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     specs = [{"method": args.method, "model": head, "draft_policy": args.policy, **gate,
               "num_speculative_tokens": nodes(widths, args.depth), "draft_top_k": widths}
              for widths in shapes]
-    off, *runs = side_by_side(model, [None, *specs], prompts, args.max_tokens,
-                              by_request=args.interleave == "requests",
-                              concurrency=args.concurrency)
+    # [round][configuration]: off first
+    rounds = [side_by_side(model, [None, *specs], prompts, args.max_tokens,
+                           by_request=args.interleave == "requests",
+                           concurrency=args.concurrency) for _ in range(args.rounds)]
+    offs = [configs[0] for configs in rounds]
     report = {"benchmark": "draft_trees", "quick": args.quick, "method": args.method,
               "depth": args.depth, "policy": args.policy,
               "head": args.head or "trained default",
               "gate": args.gate, "prompts": args.prompts, "max_tokens": args.max_tokens,
               "interleave": args.interleave, "concurrency": args.concurrency,
-              "tokens_per_s_off": round(off["tokens_per_s"], 2),
-              "results": {",".join(map(str, widths)): _row(run, off, spec, args.depth)
-                          for widths, run, spec in zip(shapes, runs, specs, strict=True)}}
+              "rounds": args.rounds,
+              "tokens_per_s_off": round(statistics.median(o["tokens_per_s"] for o in offs), 2),
+              "results": {",".join(map(str, widths)): _row([r[i] for r in rounds], offs, spec,
+                                                           args.depth)
+                          for i, (widths, spec) in enumerate(zip(shapes, specs, strict=True),
+                                                             start=1)}}
     write_report(out_path(args, DEFAULT_OUT), report)
     print(report)
     return report
 
 
-def _row(run: dict[str, Any], off: dict[str, Any], spec: dict[str, Any], depth: int
-         ) -> dict[str, Any]:
+def _row(runs: list[dict[str, Any]], offs: list[dict[str, Any]], spec: dict[str, Any],
+         depth: int) -> dict[str, Any]:
+    """One shape's figures: tok/s ratios per round and their median; acceptance from the
+    first round (greedy drafts and verification are deterministic: every round
+    accepts alike)."""
+    run, ratios = runs[0], [r["tokens_per_s"] / o["tokens_per_s"]
+                            for r, o in zip(runs, offs, strict=True)]
     drafts = run["drafts"]
     return {"k": spec["num_speculative_tokens"],
-            "speedup_vs_off": round(run["tokens_per_s"] / off["tokens_per_s"], 3),
-            "tokens_per_s": round(run["tokens_per_s"], 2),
+            "speedup_vs_off": round(statistics.median(ratios), 3),
+            "speedup_per_round": [round(x, 3) for x in ratios],
+            "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in runs), 2),
             "mean_acceptance_length": round(1 + sum(run["accepted"]) / drafts, 3)
             if drafts else None,
             # A tree accepts at most one token a depth: the metric's later positions
@@ -95,7 +109,8 @@ def _row(run: dict[str, Any], off: dict[str, Any], spec: dict[str, Any], depth: 
             "reach": [round(a / drafts, 3) for a in run["accepted"][:depth]] if drafts
             else [],
             "leaf_hits": run["leaf_hits"], "verifications": drafts,
-            "lossless": run["outputs"] == off["outputs"]}
+            "lossless": all(r["outputs"] == o["outputs"] for r, o in zip(runs, offs,
+                                                                          strict=True))}
 
 
 if __name__ == "__main__":

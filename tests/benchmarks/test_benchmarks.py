@@ -679,11 +679,16 @@ def test_draft_trees_quick(tmp_path: Path) -> None:
 
 @pytest.mark.model
 def test_draft_trees_request_by_request(tmp_path: Path) -> None:
-    """The engines taking turns a whole request at a time: the same outputs as off's."""
+    """The engines taking turns a whole request at a time, two rounds: the same outputs
+    as off's, the ratio the rounds' median."""
     from benchmarks import draft_trees
 
     report = draft_trees.main(["--quick", "--head", "random", "--shapes", "2",
-                               "--depth", "2", "--interleave", "requests",
+                               "--depth", "2", "--interleave", "requests", "--rounds", "2",
                                "--out", str(tmp_path / "t.json")])
-    assert report["interleave"] == "requests"
-    assert report["results"]["2"]["lossless"] and report["results"]["2"]["verifications"] > 0
+    assert report["interleave"] == "requests" and report["rounds"] == 2
+    tree = report["results"]["2"]
+    assert tree["lossless"] and tree["verifications"] > 0
+    assert len(tree["speedup_per_round"]) == 2
+    assert min(tree["speedup_per_round"]) <= tree["speedup_vs_off"] <= max(
+        tree["speedup_per_round"])
