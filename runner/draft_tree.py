@@ -105,8 +105,12 @@ class LeafLogits:
     logits: torch.Tensor  # [L, V]
 
     def of(self, leaf_rows: list[int]) -> torch.Tensor:
-        """The logits of these rows (a copy: sampling may mask it)."""
+        """The logits of these rows (a copy: sampling may mask it). Every row asked for
+        must be one computed: a leaf of a sampling request."""
         at = np.searchsorted(self.rows, leaf_rows)
+        if not (at < len(self.rows)).all() or not np.array_equal(self.rows[at], leaf_rows):
+            raise AssertionError(f"leaf rows {leaf_rows} not among those computed "
+                                 f"({self.rows.tolist()})")
         return self.logits[torch.as_tensor(at, device=self.logits.device)]
 
 

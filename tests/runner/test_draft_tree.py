@@ -125,6 +125,9 @@ def test_leaf_logits_are_found_by_row_and_copied() -> None:
     assert got.tolist() == [[6.0, 7.0, 8.0], [0.0, 1.0, 2.0]]
     got.fill_(-1)  # sampling masks its copy, not the pool
     assert pool.logits[0].tolist() == [0.0, 1.0, 2.0]
+    for missing in ([6], [12]):  # between rows computed, past the last
+        with pytest.raises(AssertionError, match="not among those computed"):
+            pool.of(missing)
 
 
 @pytest.mark.parametrize(("method", "target", "passes", "ahead"), [
