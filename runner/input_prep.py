@@ -70,7 +70,7 @@ def prepare_inputs(states: RequestStates, buffers: StepBuffers, req_ids: list[st
 
     buffers.positions.np[:total] = positions
     buffers.input_ids.np[:total] = states.token_ids[token_rows, positions]
-    chain, leaves = num_spec, np.zeros(total, dtype=bool)
+    chain, leaves = num_spec, None  # [total] bool: a tree's leaf rows
     if shape is not None and not shape.is_chain and num_spec.any():
         chain = shape.depth(num_spec)
         draft_index = offsets - (num_scheduled - num_spec)[req_index]
@@ -99,12 +99,16 @@ def prepare_inputs(states: RequestStates, buffers: StepBuffers, req_ids: list[st
                                                       num_logits_per_req)
     buffers.logits_indices.np[:num_logits] = (cu_num[logit_req] - 1 - num_spec[logit_req]
                                               + logit_offsets)
-    leaf_rows = np.flatnonzero(leaves & samples[req_index])
-    buffers.logits_indices.np[num_logits:num_logits + len(leaf_rows)] = leaf_rows
+    num_leaf_logits = 0
+    if leaves is not None:
+        leaf_rows = np.flatnonzero(leaves & samples[req_index])
+        num_leaf_logits = len(leaf_rows)
+        buffers.logits_indices.np[num_logits:num_logits + num_leaf_logits] = leaf_rows
     return PreparedStep(
         req_ids=req_ids, rows=rows, num_scheduled=num_scheduled, num_tokens=total,
         samples=samples, num_spec=num_spec, num_logits=num_logits,
         max_query_len=int(num_scheduled.max()) if num_reqs else 0,
         max_seq_len=int(seq_lens.max()) if num_reqs else 0,
-        num_chain=chain, has_leaves=bool(leaves.any()), num_leaf_logits=len(leaf_rows),
+        num_chain=chain, has_leaves=leaves is not None and bool(leaves.any()),
+        num_leaf_logits=num_leaf_logits,
     )
