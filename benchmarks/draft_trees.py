@@ -39,11 +39,6 @@ from benchmarks.common import (  # noqa: E402
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "draft_trees.json"
 
 
-def nodes(widths: list[int], depth: int) -> int:
-    """K of a tree `depth` deep: its widths summed (the last repeating)."""
-    return sum(widths[min(d, len(widths) - 1)] for d in range(depth))
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = bench_parser(__doc__, DEFAULT_OUT)
     served_head_args(parser)
@@ -61,13 +56,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="side-by-side runs; tok/s ratios are their medians")
     args = parser.parse_args(argv)
 
+    from spec_decode.tree_shape import tree_nodes
     from training.served import side_by_side
 
     model, head, prompts = served_head(args)
     shapes = [[int(w) for w in shape.split(",")] for shape in args.shapes.split(";")]
     gate = {} if args.gate is None else {"min_draft_confidence": args.gate}
     specs = [{"method": args.method, "model": head, "draft_policy": args.policy, **gate,
-              "num_speculative_tokens": nodes(widths, args.depth), "draft_top_k": widths}
+              "num_speculative_tokens": tree_nodes(widths, args.depth), "draft_top_k": widths}
              for widths in shapes]
     # [round][configuration]: off first
     rounds = [side_by_side(model, [None, *specs], prompts, args.max_tokens,
@@ -95,20 +91,14 @@ def _row(runs: list[dict[str, Any]], offs: list[dict[str, Any]], spec: dict[str,
     """One shape's figures: tok/s ratios per round and their median; acceptance from the
     first round (greedy drafts and verification are deterministic: every round
     accepts alike)."""
-    run, ratios = runs[0], [r["tokens_per_s"] / o["tokens_per_s"]
-                            for r, o in zip(runs, offs, strict=True)]
-    drafts = run["drafts"]
+    from training.served import tree_acceptance
+
+    ratios = [r["tokens_per_s"] / o["tokens_per_s"] for r, o in zip(runs, offs, strict=True)]
     return {"k": spec["num_speculative_tokens"],
             "speedup_vs_off": round(statistics.median(ratios), 3),
             "speedup_per_round": [round(x, 3) for x in ratios],
             "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in runs), 2),
-            "mean_acceptance_length": round(1 + sum(run["accepted"]) / drafts, 3)
-            if drafts else None,
-            # A tree accepts at most one token a depth: the metric's later positions
-            # (it counts list entries) are always 0.
-            "reach": [round(a / drafts, 3) for a in run["accepted"][:depth]] if drafts
-            else [],
-            "leaf_hits": run["leaf_hits"], "verifications": drafts,
+            **tree_acceptance(runs[:1], depth),
             "lossless": all(r["outputs"] == o["outputs"] for r, o in zip(runs, offs,
                                                                           strict=True))}
 

@@ -21,6 +21,11 @@ import numpy as np
 IntLike = TypeVar("IntLike", int, np.ndarray)
 
 
+def tree_nodes(widths: tuple[int, ...] | list[int], depth: int) -> int:
+    """K of a tree `depth` deep: its widths summed, the last repeating."""
+    return sum(widths[min(d, len(widths) - 1)] for d in range(depth))
+
+
 @dataclass(frozen=True)
 class TreeShape:
     """Candidates per depth (`widths[d - 1]`; the last holds for every deeper one), for

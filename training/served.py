@@ -26,7 +26,7 @@ from runner.draft_gate import TRAINED_HEAD_MIN_CONFIDENCE
 from runner.models.llama import LlamaForCausalLM
 from scheduler import SamplingParams
 from spec_decode import SpeculativeConfig, get_method
-from spec_decode.tree_shape import TreeShape
+from spec_decode.tree_shape import tree_nodes
 from training.prompts import instructions
 
 # The tree the served figure also drafts: [4, 2, 1] served each trained head fastest
@@ -122,7 +122,7 @@ def served_figures(model: LlamaForCausalLM, head_dir: Path, method: str, k: int,
         figures["proposal_rates"] = proposal_rates(on, gated[0], k)
         figures["min_draft_confidence"] = TRAINED_HEAD_MIN_CONFIDENCE
     record_served(head_dir, figures)
-    tree = {**fixed, "num_speculative_tokens": TreeShape(SERVED_TREE, 8 * k).nodes(k),
+    tree = {**fixed, "num_speculative_tokens": tree_nodes(SERVED_TREE, k),
             "draft_top_k": list(SERVED_TREE)}
     off_default, default, trees = (list(runs) for runs in zip(
         *(side_by_side(model, [None, {**spec, "draft_policy": default_policy}, tree],
@@ -150,15 +150,21 @@ def served_figures(model: LlamaForCausalLM, head_dir: Path, method: str, k: int,
 def _tree_figures(spec: dict[str, Any], off: list[dict[str, Any]],
                   runs: list[dict[str, Any]], depth: int) -> dict[str, Any]:
     """The head drafting SERVED_TREE's trees (fixed policy, `depth` deep), side by side
-    with off: a verification reaches depth d at most once, so the accepted count at
-    list position d is its reach there."""
+    with off."""
+    return {"draft_top_k": spec["draft_top_k"], "k": spec["num_speculative_tokens"],
+            **tree_acceptance(runs, depth), "speedup_vs_off": _speedup(off, runs)}
+
+
+def tree_acceptance(runs: list[dict[str, Any]], depth: int) -> dict[str, Any]:
+    """Drafted trees' acceptance over `runs`: mean acceptance length, how often a
+    verification reached each depth (a tree accepts at most one token a depth, so the
+    accepted count at list position d is its reach there; later positions are 0),
+    verifications a leaf won, and verifications."""
     drafts = sum(r["drafts"] for r in runs)
     accepted = _per_position(runs, "accepted", depth)
-    return {"draft_top_k": spec["draft_top_k"], "k": spec["num_speculative_tokens"],
-            "mean_acceptance_length": round(1 + sum(accepted) / drafts, 3) if drafts else None,
-            "reach_per_depth": [round(a / drafts, 4) if drafts else None for a in accepted],
-            "leaf_hits": sum(r["leaf_hits"] for r in runs), "verifications": drafts,
-            "speedup_vs_off": _speedup(off, runs)}
+    return {"mean_acceptance_length": round(1 + sum(accepted) / drafts, 3) if drafts else None,
+            "reach": [round(a / drafts, 4) for a in accepted] if drafts else [],
+            "leaf_hits": sum(r["leaf_hits"] for r in runs), "verifications": drafts}
 
 
 def _speedup(off: list[dict[str, Any]], runs: list[dict[str, Any]]) -> float:

@@ -13,7 +13,7 @@ from runner.draft_tree import (
     match_leaves,
     tree_positions,
 )
-from spec_decode.tree_shape import TreeShape
+from spec_decode.tree_shape import TreeShape, tree_nodes
 
 
 def shape(*widths: int, entries: int = 16) -> TreeShape:
@@ -190,6 +190,9 @@ def test_a_shape_s_leaves_and_nodes() -> None:
     assert wide.nodes(2) == 5 and wide.nodes(np.array([0, 1, 3])).tolist() == [0, 3, 7]
     assert shape(1).leaf_depth.tolist() == [] and shape(1).nodes(3) == 3
     assert [wide.leaf_ordinal(i) for i in (1, 2, 4, 6)] == [0, 1, 2, 3]
+    # A config's K from its widths and depth: the nodes the shape lists to that depth.
+    assert [tree_nodes((3, 2), d) for d in range(5)] == wide.starts.tolist()
+    assert tree_nodes([4, 2, 1], 4) == 8 and tree_nodes((1,), 4) == 4
 
 
 def test_readout_rows_list_their_depth_s_width() -> None:
