@@ -35,6 +35,7 @@ from benchmarks.common import (  # noqa: E402
     served_head_args,
     write_report,
 )
+from training.options import at_least  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "draft_trees.json"
 
@@ -50,9 +51,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--interleave", choices=("steps", "requests"), default="steps",
                         help="engines take turns a step or a whole request at a time "
                              "(engine/stepwise.py; requests: one running at a time)")
-    parser.add_argument("--concurrency", type=int, default=1,
+    parser.add_argument("--concurrency", type=at_least(1), default=1,
                         help="requests running at most (all prompts queued at once)")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=at_least(1), default=1,
                         help="side-by-side runs; tok/s ratios are their medians")
     args = parser.parse_args(argv)
 

@@ -692,3 +692,13 @@ def test_draft_trees_request_by_request(tmp_path: Path) -> None:
     assert len(tree["speedup_per_round"]) == 2
     assert min(tree["speedup_per_round"]) <= tree["speedup_vs_off"] <= max(
         tree["speedup_per_round"])
+
+
+@pytest.mark.parametrize("flag", ["--rounds", "--concurrency"])
+def test_draft_trees_refuses_a_count_below_one(flag: str, capsys: pytest.CaptureFixture[str]
+                                               ) -> None:
+    from benchmarks import draft_trees
+
+    with pytest.raises(SystemExit):
+        draft_trees.main([flag, "0"])
+    assert f"argument {flag}: must be >= 1, got 0" in capsys.readouterr().err
