@@ -127,6 +127,33 @@ static inline void prefetch_row(const void *base, int64_t index, int bf16, int D
     for (int64_t b = 0; b < (int64_t)D * (bf16 ? 2 : 4); b += 64) __builtin_prefetch(p + b);
 }
 
+#define PV_ROWS 4 /* query rows whose value sums are held in registers at once */
+#define PV_VECS 4 /* vectors of the head dimension held per row */
+
+/* A block of PV_ROWS rows x PV_VECS vectors of their value sums, held in registers over
+ * a group's n keys: each value vector loaded once serves every row of the block. A sum
+ * is still a multiply-add chain over keys in order. Rows past nq (at most the tile's
+ * padding lanes, whose weights are 0) are computed and not stored. */
+static inline void values_block(float *acc, const float *vals, const float *w, int i0, int nq,
+                                int nqp, int d0, int D, int n) {
+    vec o[PV_ROWS][PV_VECS];
+    for (int r = 0; r < PV_ROWS; r++)
+        for (int v = 0; v < PV_VECS; v++)
+            o[r][v] = i0 + r < nq ? load_vec(acc + (int64_t)(i0 + r) * D + d0 + v * LANES)
+                                  : (vec){0};
+    for (int j = 0; j < n; j++) {
+        vec x[PV_VECS];
+        for (int v = 0; v < PV_VECS; v++) x[v] = load_vec(vals + j * D + d0 + v * LANES);
+        for (int r = 0; r < PV_ROWS; r++) {
+            const float wt = w[(int64_t)j * nqp + i0 + r];
+            for (int v = 0; v < PV_VECS; v++) o[r][v] = fma_vec(x[v], wt, o[r][v]);
+        }
+    }
+    for (int r = 0; r < PV_ROWS && i0 + r < nq; r++)
+        for (int v = 0; v < PV_VECS; v++)
+            store_vec(acc + (int64_t)(i0 + r) * D + d0 + v * LANES, o[r][v]);
+}
+
 /* One item: the tile's query rows of every query head on this KV head. Scores are laid
  * out key-major with query lanes ([key][query]), so a key's row is read once and each
  * of its elements multiplies every query of the tile in one vector; a score is still a
@@ -212,7 +239,11 @@ static inline void run_item(const Args *a, Item it, float *scratch, int bf16) {
     }
 #undef SEEN
     /* Values in groups of KEY_GROUP too: a row's accumulator is loaded once a group and
-     * its chain still runs over keys in order (weight 0 past a row's last key: no change). */
+     * its chain still runs over keys in order (weight 0 past a row's last key: no change).
+     * Whole blocks of the head dimension go through values_block, which reuses each value
+     * vector across PV_ROWS rows: one layer, bfloat16, 300 keys, one request of 9 rows
+     * 136 -> 116 us, a 512-row prefill 3.37 -> 2.52 ms, 16 verifications of 5 rows 634
+     * -> 512 us (the same bits; a /tmp timing). */
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
     for (int32_t t0 = 0; t0 < nkeys; t0 += KEY_GROUP) {
         const int n = nkeys - t0 < KEY_GROUP ? nkeys - t0 : KEY_GROUP;
@@ -220,9 +251,13 @@ static inline void run_item(const Args *a, Item it, float *scratch, int bf16) {
         for (int32_t j = t0 + KEY_GROUP; j < nkeys && j < t0 + 2 * KEY_GROUP; j++)
             prefetch_row(a->value_cache, slot[j], bf16, D);
         const float *w = st + (int64_t)t0 * nqp;
+        const int wide = D / (PV_VECS * LANES) * (PV_VECS * LANES);
+        for (int i0 = 0; i0 < nq; i0 += PV_ROWS)
+            for (int d0 = 0; d0 < wide; d0 += PV_VECS * LANES)
+                values_block(acc, keys, w, i0, nq, nqp, d0, D, n);
         for (int i = 0; i < nq; i++) {
             float *o = acc + (int64_t)i * D;
-            int d = 0;
+            int d = wide;
             for (; d + LANES <= D; d += LANES) {
                 vec v = load_vec(o + d);
                 for (int j = 0; j < n; j++) v = fma_vec(load_vec(keys + j * D + d), w[j * nqp + i], v);

@@ -33,12 +33,13 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 @pytest.mark.parametrize("reqs", [MIXED, LONG], ids=["short", "long"])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
-                         [(6, 2, 32), (4, 4, 32), (9, 3, 64), (2, 1, 24)])
+                         [(6, 2, 32), (4, 4, 32), (9, 3, 64), (2, 1, 24), (4, 2, 80)])
 def test_kernel_matches_dense_reference(reqs: list[tuple[int, int]], block_size: int,
                                         num_heads: int, num_kv_heads: int, head_dim: int,
                                         dtype: torch.dtype) -> None:
     """Decodes, chunks after a cached prefix, prefills past a tile of 16 rows, heads
-    per KV head from 1 to 3, a head size that is no multiple of 16; caches start NaN,
+    per KV head from 1 to 3, a head size that is no multiple of 16 and one whose values
+    are summed partly in register blocks of 64 and partly not (80); caches start NaN,
     so a read of a slot no token owns would poison the output."""
     batch = make_batch(reqs, num_heads, num_kv_heads, head_dim, block_size, dtype)
     scale = 1 / math.sqrt(head_dim)
