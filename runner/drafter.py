@@ -26,6 +26,7 @@ from runner.eagle3 import Eagle3Config, Eagle3Head, load_eagle3, trained_head_di
 from runner.invariant import check_filled
 from runner.model_loader import load_model
 from runner.model_prep import DEFAULT_MODEL_NAME, resolve_model
+from runner.models.linear_draft import draft_kernel
 from runner.models.llama import LlamaConfig, LlamaForCausalLM
 from runner.request_states import RequestStates
 from spec_decode import SpeculativeConfig, get_method
@@ -98,7 +99,8 @@ def make_head(spec: SpeculativeConfig, target: LlamaForCausalLM,
     weight = target.lm_head.weight
     head = head.to(device=weight.device, dtype=weight.dtype)
     if target.kernel_choice is not None:
-        head.pack(target.kernel_choice.kernel)
+        # a head's drafts are verified, so its calls need not be row-invariant
+        head.pack(draft_kernel(target.kernel_choice.kernel, weight.dtype))
     return head
 
 

@@ -96,9 +96,10 @@ def _padded(x: torch.Tensor) -> torch.Tensor:
 
 
 class _OneDNNPacked(PackedLinear):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 max_reduction: int | None) -> None:
         weight = weight.detach().contiguous()
-        num_slices = -(-weight.shape[1] // MAX_REDUCTION)
+        num_slices = 1 if max_reduction is None else -(-weight.shape[1] // max_reduction)
         width = -(-weight.shape[1] // num_slices)
         self.bounds = [(start, min(start + width, weight.shape[1]))
                        for start in range(0, weight.shape[1], width)]
@@ -136,8 +137,15 @@ class OneDNNLinear(LinearKernel):
 
     name = "onednn"
 
+    def __init__(self, max_reduction: int | None = MAX_REDUCTION) -> None:
+        # None: one call whatever the reduction's width, for a caller that needs no row
+        # invariance (a drafter: runner/models/linear_draft.py)
+        self.max_reduction = max_reduction
+        if max_reduction is None:
+            self.name = "onednn, unsliced"
+
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
-        return _OneDNNPacked(weight, bias)
+        return _OneDNNPacked(weight, bias, self.max_reduction)
 
 
 class _RowCappedPacked(PackedLinear):
