@@ -44,9 +44,10 @@ from runner.models.llama import (
     rope_inv_freq,
     vocab_projection,
 )
+from runner.models.top_confidence import top_confidence
 from spec_decode.measured import MeasuredAcceptance
 from spec_decode.passes import MASK_ROW
-from spec_decode.sampling import greedy_ids, greedy_with_confidence, top_with_confidence
+from spec_decode.sampling import greedy_ids
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -271,9 +272,13 @@ class Eagle3Head(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> fp32 logits over the draft vocabulary."""
+        return self._draft_logits(hidden).float()
+
+    def _draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`compute_logits` in the head's dtype (what the compiled readout reads)."""
         if self._lm_head is not None:
-            return self._lm_head(self.norm(hidden)).float()
-        return vocab_projection(self.norm(hidden), self.lm_head.weight).float()
+            return self._lm_head(self.norm(hidden))
+        return vocab_projection(self.norm(hidden), self.lm_head.weight)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -286,14 +291,14 @@ class Eagle3Head(nn.Module):
                                ) -> tuple[torch.Tensor, torch.Tensor]:
         """`greedy_tokens` and each draft's probability under the head's distribution
         over its draft vocabulary."""
-        ids, confidence = greedy_with_confidence(self.compute_logits(hidden))
-        return self.to_target_ids(ids), confidence
+        ids, confidence = top_confidence(self._draft_logits(hidden), 1)
+        return self.to_target_ids(ids[:, 0]), confidence
 
     def top_drafts(self, hidden: torch.Tensor, top_k: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's `top_k` candidates ([N, top_k] target ids, the greedy draft first)
         and the greedy draft's probability (a drafted tree, runner/draft_tree.py)."""
-        ids, confidence = top_with_confidence(self.compute_logits(hidden), top_k)
+        ids, confidence = top_confidence(self._draft_logits(hidden), top_k)
         return self.to_target_ids(ids), confidence
 
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from runner.model_prep import default_cache_dir
 
-# Headers every source may include ("bf16.h"): on the include path, and in every
-# library's hash, so a changed header rebuilds what includes it.
+# Headers every source may include ("bf16.h", "exp_nonpositive.h"): on the include
+# path, and in every library's hash, so a changed header rebuilds what includes it.
 INCLUDE_DIR = Path(__file__).parent
-HEADERS = (INCLUDE_DIR / "bf16.h",)
+HEADERS = (INCLUDE_DIR / "bf16.h", INCLUDE_DIR / "exp_nonpositive.h")
 
 
 class NoCompilerError(OSError):
