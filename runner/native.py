@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -20,6 +21,8 @@ import tempfile
 from pathlib import Path
 
 from runner.model_prep import default_cache_dir
+
+logger = logging.getLogger("specbudget.runner")
 
 # Headers every source may include ("bf16.h", "exp_nonpositive.h"): on the include
 # path, and in every library's hash, so a changed header rebuilds what includes it.
@@ -78,3 +81,15 @@ def failure(source: Path, exc: Exception) -> str:
         return str(exc)
     detail = getattr(exc, "stderr", "") or str(exc)
     return f"building {source.name} failed: {detail.strip()[:500]}"
+
+
+def try_compiled(source: Path, flags: tuple[str, ...], what: str,
+                 fallback: str) -> tuple[ctypes.CDLL | None, str]:
+    """(`compiled(source, flags)`, "") or (None, why not), a warning then saying that
+    `what` is unavailable and what serves instead (`fallback`)."""
+    try:
+        return compiled(source, flags), ""
+    except (OSError, subprocess.SubprocessError) as exc:
+        why = failure(source, exc)
+        logger.warning("%s unavailable (%s): %s", what, why, fallback)
+        return None, why

@@ -18,13 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 from pathlib import Path
 
 from runner import native
-
-logger = logging.getLogger("specbudget.runner")
 
 SOURCE = Path(__file__).with_name("cpu_paged.c")
 # -ffp-contract=off: only the fmaf calls the source writes are fused, so vector and
@@ -37,23 +33,18 @@ KERNEL_DTYPES = {"float32": 0, "bfloat16": 1}  # torch dtype name -> the kernel'
 @functools.cache
 def load() -> tuple[ctypes.CDLL | None, str]:
     """(the library, "") or (None, why not)."""
-    try:
-        # torch is imported first (it is the caller), so the library's libgomp.so.1 is
-        # the one torch already loaded: one OpenMP thread pool, not two.
-        lib = native.compiled(SOURCE, FLAGS)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return _unavailable(native.failure(SOURCE, exc))
+    # torch is imported first (it is the caller), so the library's libgomp.so.1 is the
+    # one torch already loaded: one OpenMP thread pool, not two.
+    lib, why = native.try_compiled(SOURCE, FLAGS, "CPU attention kernel",
+                                   "the torch path serves")
+    if lib is None:
+        return None, why
     fn = lib.specbudget_paged_attention
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64,
                    i32, ptr, ptr, ptr, i32, i64, i64, i32, i32, i32, i32, ctypes.c_float]
     fn.restype = ctypes.c_int
     return lib, ""
-
-
-def _unavailable(why: str) -> tuple[None, str]:
-    logger.warning("CPU attention kernel unavailable (%s): the torch path serves", why)
-    return None, why
 
 
 def available() -> bool:

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,8 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from runner import native
-
-logger = logging.getLogger("specbudget.runner")
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=gnu11", "-shared", "-fPIC")
@@ -45,12 +41,9 @@ ROPE_MAX_TOKENS = 128
 @functools.cache
 def load() -> tuple[ctypes.CDLL | None, str]:
     """(the library, "") or (None, why not)."""
-    try:
-        lib = native.compiled(SOURCE, FLAGS)
-    except (OSError, subprocess.SubprocessError) as exc:
-        why = native.failure(SOURCE, exc)
-        logger.warning("CPU layer ops unavailable (%s): torch's norm and rotation serve",
-                       why)
+    lib, why = native.try_compiled(SOURCE, FLAGS, "CPU layer ops",
+                                   "torch's norm and rotation serve")
+    if lib is None:
         return None, why
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.specbudget_rms_norm.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, i64, i64,

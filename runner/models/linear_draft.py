@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,8 +32,6 @@ import torch
 from runner import native
 from runner.dtype import cpu_flags
 from runner.models.linear import LinearKernel, OneDNNLinear, PackedLinear, RowCapped
-
-logger = logging.getLogger("specbudget.runner")
 
 SOURCE = Path(__file__).with_name("gemv_bf16.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
@@ -54,12 +50,9 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     """(the library, "") or (None, why not): it needs AVX512_BF16 and a compiler."""
     if "avx512_bf16" not in cpu_flags():
         return None, "the CPU has no avx512_bf16"
-    try:
-        lib = native.compiled(SOURCE, FLAGS)
-    except (OSError, subprocess.SubprocessError) as exc:
-        why = native.failure(SOURCE, exc)
-        logger.warning("drafter gemv kernel unavailable (%s): the drafter keeps the "
-                       "target's linear kernel", why)
+    lib, why = native.try_compiled(SOURCE, FLAGS, "drafter gemv kernel",
+                                   "the drafter keeps the target's linear kernel")
+    if lib is None:
         return None, why
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     fn = lib.specbudget_gemv_bf16

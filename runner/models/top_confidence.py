@@ -14,16 +14,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 from pathlib import Path
 
 import torch
 
 from runner import native
 from spec_decode.sampling import top_with_confidence
-
-logger = logging.getLogger("specbudget.runner")
 
 SOURCE = Path(__file__).with_name("top_confidence.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=gnu11", "-shared", "-fPIC")
@@ -34,11 +30,8 @@ MAX_K = 16  # as the source's
 @functools.cache
 def load() -> tuple[ctypes.CDLL | None, str]:
     """(the library, "") or (None, why not)."""
-    try:
-        lib = native.compiled(SOURCE, FLAGS)
-    except (OSError, subprocess.SubprocessError) as exc:
-        why = native.failure(SOURCE, exc)
-        logger.warning("compiled readout unavailable (%s): torch's serves", why)
+    lib, why = native.try_compiled(SOURCE, FLAGS, "compiled readout", "torch's serves")
+    if lib is None:
         return None, why
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     fn = lib.specbudget_top_confidence
