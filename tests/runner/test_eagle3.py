@@ -305,3 +305,26 @@ def test_readout_rows_alone_draft_as_the_whole_pass(model: LlamaForCausalLM,
                         SamplingParams(max_tokens=10, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outs] == [10, 10]
     assert len(split_rows) >= 5 and max(split_rows) >= 11
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_packed_heads_rotations_come_from_its_table_bit_for_bit(
+        model: LlamaForCausalLM, tmp_path: Path, dtype: torch.dtype) -> None:
+    """The table of every position's rotation a packed head reads on the CPU gives
+    `rope`'s bits at the first, a middle and the last position it holds; a position
+    past it is computed as `rope` computes it."""
+    from runner.eagle3 import ROTARY_TABLE_MAX
+    from runner.models.linear import OneDNNLinear
+    from runner.models.llama import Rotary
+
+    write_published_layout(tmp_path / "head", model, default_aux_layers(
+        model.config.num_hidden_layers))
+    head = load_eagle3(tmp_path / "head", model).to(dtype)
+    head.pack(OneDNNLinear())
+    last = min(head.config.max_position_embeddings, ROTARY_TABLE_MAX) - 1
+    positions = torch.tensor([0, 7, 300, last, last + 5])
+    got = head._rotary(positions, dtype)
+    assert head._rotary_table is not None and len(head._rotary_table.cos) == last + 1
+    want = Rotary.from_cos_sin(*head.rope(positions, dtype))
+    assert torch.equal(got.cos, want.cos) and torch.equal(got.signed_sin, want.signed_sin)
+    assert not torch.equal(got.cos[1:2], want.cos[2:3])  # positions are told apart
