@@ -216,9 +216,11 @@ class Eagle3Head(nn.Module):
         """out [R, H]: each pass row's hidden input. A row reading the target, at
         hidden_src >= 0, gets fc(features [*, 3H] of that target-pass row); a mask row
         (MASK_ROW) the learned `mask_hidden`."""
-        src = torch.as_tensor(hidden_src, device=out.device)
-        out[:] = self.project(features[src.clamp(min=0)])
-        out[src == MASK_ROW] = self.mask_hidden.detach()
+        masks = hidden_src == MASK_ROW
+        src = torch.as_tensor(np.maximum(hidden_src, 0), device=out.device)
+        out[:] = self.project(features[src])
+        if masks.any():  # parallel's mask rows; none in eagle's or dflash's context rows
+            out[torch.as_tensor(masks, device=out.device)] = self.mask_hidden.detach()
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         table = self.embed_tokens or self._target[0].model.embed_tokens
