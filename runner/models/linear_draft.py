@@ -16,7 +16,7 @@ pass, a prefill's context rows, 16 requests' steps) take oneDNN where the target
 it, in one call however wide the reduction (the row-invariant kernel's slices and row
 cap are for the target), else the target's own kernel. The head's seven matrices at
 5 / 7 / 9 rows, each cold: the target's kernel ~1,510 us, unsliced ~1,230, this kernel
-1,370-2,050 (a /tmp timing).
+1,640-2,050 (a /tmp timing).
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ class DraftGemv(LinearKernel):
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
         fallback = self.inner.pack(weight, bias)
-        if weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
+        if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu"
+                or weight.shape[1] % 2):
             return fallback
         return _GemvPacked(weight, bias, fallback, self._fn)
 

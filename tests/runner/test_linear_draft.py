@@ -104,3 +104,16 @@ def test_unsliced_onednn_computes_a_wide_reduction_in_one_call() -> None:
     expected = x.double() @ weight.double().T
     assert _max_error(whole(x), expected) < 1e-2
     assert _max_error(whole.add(x, residual), expected + residual.double()) < 1e-2
+
+
+@needs_gemv
+def test_weights_the_gemv_cannot_read_keep_the_fallback() -> None:
+    """An odd number of inputs (the kernel reads them in pairs) and float32 weights pack
+    for the fallback alone, and still compute the linear."""
+    kernel = draft_kernel(OneDNNLinear(), torch.bfloat16)
+    assert isinstance(kernel, DraftGemv)
+    for weight, x in (((torch.randn(32, 63) * 0.05).bfloat16(), torch.randn(2, 63).bfloat16()),
+                      (torch.randn(32, 64) * 0.05, torch.randn(2, 64))):
+        packed = kernel.pack(weight, None)
+        assert not isinstance(packed, linear_draft._GemvPacked)
+        assert _max_error(packed(x), x.double() @ weight.double().T) < 1e-2
