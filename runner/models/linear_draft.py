@@ -3,18 +3,18 @@
 A drafter proposes; the target verifies. So a drafter's rows need not have the bits
 they would have in a call of another size, and its calls need not go through the
 row-invariant kernel the target must use (runner/models/kernel_select.py). They are
-also small: an eagle head's one-row step multiplies one row by seven matrices of
-0.6-9.4 MB (fc, q/k/v, o, gate/up, down, the draft vocabulary's LM head), each cold
-after the target's pass, and oneDNN pays a fixed cost per call that such a matrix
-cannot hide, more so where the row-invariant kernel slices a reduction past 768
-inputs into calls of its own. One row through the default eagle head's seven
+also small: an eagle head's passes multiply a row or a few by six matrices of 0.6-9.4
+MB (fc for context rows, q/k/v, o, gate/up, down, the draft vocabulary's LM head),
+each cold after the target's pass, and oneDNN pays a fixed cost per call that such a
+matrix cannot hide, more so where the row-invariant kernel slices a reduction past
+768 inputs into calls of its own. One row through the default eagle head's six
 matrices, each cold (a /tmp timing, 2 threads, Intel AMX machine): the target's
 kernel ~950 us, oneDNN unsliced ~700, this kernel ~470.
 
 Calls of more than `MAX_ROWS` rows (a verification's rows in an eagle head's first
 pass, a prefill's context rows, 16 requests' steps) take oneDNN where the target runs
 it, in one call however wide the reduction (the row-invariant kernel's slices and row
-cap are for the target), else the target's own kernel. The head's seven matrices at
+cap are for the target), else the target's own kernel. The head's six matrices at
 5 / 7 / 9 rows, each cold: the target's kernel ~1,510 us, unsliced ~1,230, this kernel
 1,640-2,050 (a /tmp timing).
 """
