@@ -117,3 +117,38 @@ def test_weights_the_gemv_cannot_read_keep_the_fallback() -> None:
         packed = kernel.pack(weight, None)
         assert not isinstance(packed, linear_draft._GemvPacked)
         assert _max_error(packed(x), x.double() @ weight.double().T) < 1e-2
+
+
+@pytest.mark.model
+@needs_gemv
+def test_a_bfloat16_engines_head_drafts_through_the_gemv(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wiring: an engine in bfloat16 packs its head's linear layers for the gemv,
+    its one-row steps run through it, and greedy output stays speculation off's."""
+    from engine.llm import LLM
+    from runner.model_loader import load_model
+    from runner.model_prep import resolve_model
+    from scheduler import SamplingParams
+
+    model = load_model(resolve_model(None), torch.bfloat16, torch.device("cpu"))
+    rows: list[int] = []
+    real = linear_draft._GemvPacked._run
+
+    def counted(self: linear_draft._GemvPacked, x: torch.Tensor,
+                residual: torch.Tensor | None) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return real(self, x, residual)
+
+    monkeypatch.setattr(linear_draft._GemvPacked, "_run", counted)
+    spec = {"method": "eagle", "model": "random", "num_speculative_tokens": 6,
+            "draft_top_k": [2, 1], "min_draft_confidence": 0.0}
+    on = LLM(loaded_model=model, speculative_config=spec)
+    head = on.engine.runner.spec.drafter.net
+    assert isinstance(head._lm_head, linear_draft._GemvPacked)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    prompts = ["Name three rivers.", "What is a prime number?"]
+    got = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
+    off = LLM(loaded_model=model)
+    want = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert rows and max(rows) <= MAX_ROWS
