@@ -71,6 +71,7 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
 # in bfloat16); a later position's rotation is computed as `rope` computes it.
 ROTARY_TABLE_MAX = 32768
 
+
 @dataclass(frozen=True)
 class Eagle3Config:
     """A head's architecture: the target's Llama fields, its draft vocabulary and the

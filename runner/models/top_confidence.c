@@ -2,8 +2,8 @@
  * probability under the row's softmax (runner/models/top_confidence.py).
  *
  * Built at first use by runner/native.py and called through ctypes. torch takes about
- * ten calls for this (topk, max, a logsumexp in float32 and the ids' reordering): 65 us
- * a row of 8,192 logits warm and ~190 us just after a weight matrix has streamed
+ * ten calls for this (topk, max, a logsumexp in float32 and the ids' reordering): 74 us
+ * a row of 8,192 logits warm and ~236 us just after a weight matrix has streamed
  * through the caches, as a drafter's readout always is; here one pass keeps the best
  * k and one sums the exponentials.
  *

@@ -3,8 +3,8 @@ on the CPU (top_confidence.c); `spec_decode.sampling.top_with_confidence` elsewh
 
 The head's readout runs once a drafter pass, on a row or a few of its draft
 vocabulary's logits, right after the LM head's weight has streamed through the
-caches. torch's ten-odd small calls for it cost ~190 us a row there (65 warm: a /tmp
-timing, 8,192 logits); the compiled pass ~10. The ids are those of
+caches. torch's ten-odd small calls for it cost ~236 us a row there (74 warm: a /tmp
+timing, 8,192 logits); the compiled pass 55 (17 warm). The ids are those of
 `top_with_confidence` (best first, the first index of the maximum leading), the
 probability the same within float32's rounding (it sums in another order).
 `tests/runner/test_top_confidence.py` holds the two together.
