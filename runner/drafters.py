@@ -148,7 +148,8 @@ def _lookup(spec: SpeculativeConfig, ctx: DraftContext) -> Drafter:
 
 def _model(spec: SpeculativeConfig, net: DraftNet, ctx: DraftContext, trained: bool
            ) -> Drafter:
-    threshold = min_draft_confidence(spec.options, spec.spec_method.sequential, trained)
+    threshold = min_draft_confidence(spec.options, spec.spec_method.sequential, trained,
+                                     tree=not spec.tree_shape.is_chain)
     return ModelDrafter(spec, net, ctx.target, ctx.buffers, ctx.states, ctx.block_size,
                         ctx.attn, ctx.max_num_batched_tokens, threshold)
 

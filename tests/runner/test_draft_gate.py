@@ -16,6 +16,7 @@ import torch
 
 from runner.draft_gate import (
     TRAINED_HEAD_MIN_CONFIDENCE,
+    TRAINED_HEAD_TREE_MIN_CONFIDENCE,
     ConfidenceGate,
     min_draft_confidence,
 )
@@ -76,6 +77,11 @@ def test_the_default_threshold() -> None:
     assert min_draft_confidence({}, sequential=True, trained=True) == \
         TRAINED_HEAD_MIN_CONFIDENCE > 0
     assert min_draft_confidence({}, sequential=True, trained=False) == 0.0
+    # A trained head drafting trees: its own default, lower than a chain's.
+    assert 0 < min_draft_confidence({}, True, True, tree=True) == \
+        TRAINED_HEAD_TREE_MIN_CONFIDENCE < TRAINED_HEAD_MIN_CONFIDENCE
+    assert min_draft_confidence({}, True, False, tree=True) == 0.0
+    assert min_draft_confidence({"min_draft_confidence": 0.4}, True, True, tree=True) == 0.4
     assert min_draft_confidence({"min_draft_confidence": 0.0}, True, True) == 0.0
     assert min_draft_confidence({"min_draft_confidence": 0.4}, True, False) == 0.4
     # A method that drafts all its k in one pass has no chain to stop.
@@ -164,6 +170,9 @@ def test_the_gate_skips_passes_and_changes_no_output(tmp_path: Path) -> None:
     write_published_layout(tmp_path / "head", model, [2, 15, 27])
     _, _, _, trained = served({**spec, "model": str(tmp_path / "head")})
     assert trained.engine.runner.spec.drafter.min_confidence == TRAINED_HEAD_MIN_CONFIDENCE
+    _, _, _, tree = served({**spec, "model": str(tmp_path / "head"),
+                            "num_speculative_tokens": 5, "draft_top_k": [2, 1]})
+    assert tree.engine.runner.spec.drafter.min_confidence == TRAINED_HEAD_TREE_MIN_CONFIDENCE
 
 
 @pytest.mark.parametrize("value", [0, 9, -1, 2.0, "2", True, [], [2, 0], [9], [True],
