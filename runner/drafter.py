@@ -306,7 +306,8 @@ class ModelDrafter:
         for draft_pass in passes:
             check_filled(self.method.name, draft_pass, res.q_start, res.num_scheduled,
                          res.computed)
-        for draft_pass in passes:
+        # Checked as charged, run without the padding over rejected drafts.
+        for draft_pass in (p.without_padding() for p in passes):
             if draft_pass.num_rows == 0:
                 continue
             read = self._run(draft_pass, res, target_features)

@@ -84,10 +84,30 @@ class DraftPass:
     # [rows] conditioned catch-up rows: they read the target's features at their
     # position from the drafter's feature cache (their hidden_src is MASK_ROW).
     cached: np.ndarray
+    # [R] each request's rows before its padding (its tokens, bonus and masks), where
+    # `fill_pass` filled it; None: the pass has no padding.
+    unpadded: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
         return len(self.positions)
+
+    def without_padding(self) -> DraftPass:
+        """The same pass less each request's padding rows (those past its tokens, bonus
+        and masks, over drafts verification rejected): they sit at or past the first
+        position the next step recomputes, so nothing reads what they would write
+        before it is rewritten, and no readout row is among them. The pass the
+        scheduler charged and the runner checked keeps them; a drafter need not run
+        them (a tree of 8 verified with one accepted: 9 rows planned, 3 run)."""
+        if self.unpadded is None or np.array_equal(self.unpadded, self.rows_per_req):
+            return self
+        j = np.arange(self.num_rows) - np.repeat(self.slice_starts, self.rows_per_req)
+        keep = j < self.unpadded[self.req_index]
+        dropped_before = np.cumsum(~keep) - ~keep
+        return DraftPass(self.name, self.req_index[keep], self.positions[keep],
+                         self.token_ids[keep], self.hidden_src[keep], self.unpadded.copy(),
+                         self.starts, self.readout - dropped_before[self.readout],
+                         self.reads_per_req, self.cached[keep], self.unpadded)
 
     @property
     def slice_starts(self) -> np.ndarray:
@@ -221,7 +241,8 @@ def fill_pass(plan: PassRows, res: StepResult, token_ids: np.ndarray | None,
     read_j = np.arange(int(read.sum())) - np.repeat(np.cumsum(read) - read, read)
     readout = (cu - rows)[read_req] + read_from[read_req] + read_j
     return DraftPass(recipe.name, req_index, positions, tokens.astype(np.int64),
-                     hidden_src, rows, starts, readout, read, cached)
+                     hidden_src, rows, starts, readout, read, cached,
+                     np.minimum(real + plan.masks, rows))
 
 
 def sequential_positions(method: SpecMethod, res: StepResult, j: int) -> np.ndarray:

@@ -307,6 +307,50 @@ def test_readout_rows_alone_draft_as_the_whole_pass(model: LlamaForCausalLM,
     assert len(split_rows) >= 5 and max(split_rows) >= 11
 
 
+@pytest.mark.parametrize("method", ["eagle", "parallel", "dflash"])
+def test_a_pass_runs_without_the_padding_over_rejected_drafts(
+        model: LlamaForCausalLM, method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A random head's drafts are nearly all rejected, so its passes as charged carry
+    padding past each request's real rows: the drafter runs them without it
+    (`DraftPass.without_padding`), and every readout row drafts from the same hidden
+    state, bit for bit, as the pass with its padding (run again beside it here)."""
+    from spec_decode.passes import DraftPass
+    llm = LLM(loaded_model=model, num_kv_blocks=32, max_model_len=256,
+              max_num_batched_tokens=32, speculative_config={
+                  "method": method, "num_speculative_tokens": 3, "model": "random",
+                  "draft_policy": "fixed"})
+    drafter = llm.engine.runner.spec.drafter
+    unpad, real = DraftPass.without_padding, drafter._run
+    padded: dict[int, tuple[DraftPass, DraftPass]] = {}
+    ran: list[tuple[int, int]] = []  # (rows charged, rows run) of each trimmed pass
+
+    def recorded(self: DraftPass) -> DraftPass:
+        run = unpad(self)
+        if run is not self:
+            padded[id(run)] = (run, self)
+        return run
+
+    def both(draft_pass, res, hidden_in, direct_hidden=False, split=None):  # type: ignore[no-untyped-def]
+        out = real(draft_pass, res, hidden_in, direct_hidden, split)
+        if id(draft_pass) in padded:
+            full = padded.pop(id(draft_pass))[1]
+            ran.append((full.num_rows, draft_pass.num_rows))
+            want = real(full, res, hidden_in, direct_hidden, split)
+            assert (out is None) == (want is None)
+            assert out is None or torch.equal(out, want)
+        return out
+
+    monkeypatch.setattr(DraftPass, "without_padding", recorded)
+    drafter._run = both
+    prompts = [list(range(5, 45)), list(range(50, 61))]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    want = [o.outputs[0].token_ids
+            for o in LLM(loaded_model=model, max_model_len=256).generate(prompts, params)]
+    assert got == want
+    assert len(ran) >= 5 and all(run < charged for charged, run in ran)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_packed_heads_rotations_come_from_its_table_bit_for_bit(
         model: LlamaForCausalLM, tmp_path: Path, dtype: torch.dtype) -> None:

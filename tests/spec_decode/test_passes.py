@@ -194,3 +194,50 @@ def test_readout_block_refuses_rows_that_are_not_one_block() -> None:
     # ending at 5, the first would sit at 4 and see a key it must not.
     assert draft_pass([3, 4, 5], [3], [0, 2], [2]).readout_block() is None
     assert draft_pass([3, 4], [2], [], [0]).readout_block() is None
+
+
+def test_without_padding_keeps_every_row_a_drafter_reads_and_drops_the_rest() -> None:
+    """Eagle, two requests: request 0 verified 4 drafts and kept 1 (c = 10, n = 5,
+    L = 2: two padding rows past its bonus row), request 1 a prompt chunk of 3 that
+    does not draft (no padding)."""
+    method = get_method("eagle")
+    (rows,) = plan_step_rows(method, A([5, 3]), A([4, 0])).passes
+    res = result(c=[10, 0], n=[5, 3], valid=[2, 3], k=[4, 0])
+    res.samples[1] = False
+    full = fill_pass(rows, res, token_table(), MASK)
+    check_filled("eagle", full, res.q_start, res.num_scheduled, res.computed)
+    run = full.without_padding()
+    assert full.num_rows == 8 and full.unpadded is not None
+    assert full.unpadded.tolist() == [2, 3] and run.rows_per_req.tolist() == [2, 3]
+    kept = [0, 1, 5, 6, 7]  # request 0: rows at 10, 11 (tokens 11, 12: the bonus); request 1
+    for name in ("req_index", "positions", "token_ids", "hidden_src", "cached"):
+        assert getattr(run, name).tolist() == getattr(full, name)[kept].tolist(), name
+    assert run.slice_starts.tolist() == [0, 2] and run.starts.tolist() == full.starts.tolist()
+    # The same rows read out, renumbered: request 0's bonus row.
+    assert full.readout.tolist() == [1] and run.readout.tolist() == [1]
+    assert run.token_ids[run.readout].tolist() == full.token_ids[full.readout].tolist()
+    check_filled("eagle", run, res.q_start, res.num_scheduled, res.computed)
+    blocks = run.readout_block(), full.readout_block()
+    assert blocks[0] is not None and blocks[1] is not None
+    assert blocks[0].seq_lens.tolist() == blocks[1].seq_lens.tolist() == [12]
+    assert run.without_padding() is run
+
+
+def test_without_padding_renumbers_the_reads_of_later_requests() -> None:
+    """Parallel after rejections: each request's padding sits after its masks, and a
+    later request's reads move up by the padding dropped before it."""
+    method = get_method("parallel")
+    (rows,) = plan_step_rows(method, A([3, 3]), A([3, 3])).passes
+    res = result(c=[10, 4], n=[3, 3], valid=[1, 2], k=[3, 3])
+    full = fill_pass(rows, res, token_table(), MASK)
+    run = full.without_padding()
+    assert full.rows_per_req.tolist() == [5, 5] and run.rows_per_req.tolist() == [3, 4]
+    assert run.positions.tolist() == [10, 11, 12, 4, 5, 6, 7]
+    assert full.readout.tolist() == [0, 1, 2, 6, 7, 8]
+    assert run.readout.tolist() == [0, 1, 2, 4, 5, 6]
+    assert (run.token_ids[run.readout].tolist() == full.token_ids[full.readout].tolist()
+            == [11, MASK, MASK, 106, MASK, MASK])
+    # A pass with nothing rejected has no padding: the same object back.
+    whole = fill_pass(rows, result(c=[10, 4], n=[3, 3], valid=[3, 3], k=[3, 3]),
+                      token_table(), MASK)
+    assert whole.without_padding() is whole
