@@ -50,7 +50,7 @@ from training.generate import Windows, generate_windows
 from training.layouts import greedy_run
 from training.options import head_init
 from training.prompts import first_turns, follow_up, held_out_turns
-from training.served import served_figures
+from training.served import served_figures_apart
 from training.train import (
     IGNORE,
     Batch,
@@ -253,10 +253,12 @@ def run(args: argparse.Namespace) -> dict:
                "data_s": round(data_s, 1), "wall_s": round(time.monotonic() - started, 1)}
     save_eagle3(head, out, extra={"method": args.method, "trained": metrics})
     if args.served_prompts:
-        # The figure a user sees: the head served on held-out chat (training/served.py).
+        # The figure a user sees: the head served on held-out chat, in a process of
+        # its own (training/served.py).
         llm.close()
-        metrics["served"] = served_figures(model, out, args.method, train_config.depth,
-                                           num_prompts=args.served_prompts)
+        metrics["served"] = served_figures_apart(path, args.dtype, out, args.method,
+                                                 train_config.depth,
+                                                 num_prompts=args.served_prompts)
         metrics["wall_s_with_served"] = round(time.monotonic() - started, 1)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     print(json.dumps(metrics))

@@ -161,10 +161,17 @@ def test_train_drafter_command_writes_a_head_that_serves(tmp_path: Path,
     import json
 
     import runner.drafter as drafter
+    import training.served as served_module
     from engine.llm import LLM
     from scheduler import SamplingParams
     from specbudget.cli import main
 
+    # The served figure runs in a fresh process of its own: served here, in the
+    # process that trained, it read slower than a user's server does (training/served.py).
+    def in_this_process(*_args: object, **_kwargs: object) -> None:
+        pytest.fail("the served figure ran in the training process")
+
+    monkeypatch.setattr(served_module, "served_figures", in_this_process)
     out = tmp_path / "head"
     assert main(["train-drafter", "--tokens", "512", "--updates", "4", "--max-prompts", "2",
                  "--draft-vocab-size", "256", "--num-speculative-tokens", "2",
