@@ -33,11 +33,14 @@ from spec_decode import SpeculativeConfig, get_method
 from spec_decode.tree_shape import tree_nodes
 from training.prompts import instructions
 
-# The tree the served figure also drafts: [4, 2, 1] served each trained head fastest
-# of the shapes measured (README "Drafted token trees": eagle 1.45-1.51x off against
-# its chain's 1.35-1.40x, parallel 1.39x against 1.30x, dflash 1.23-1.25x against
-# 1.15-1.16x).
-SERVED_TREE = (4, 2, 1)
+# The tree the served figure also drafts. [4, 2, 1] served each trained head fastest
+# while a drafter ran its passes' padding (README "Drafted token trees"); run without
+# it, a wider tree's first drafter pass costs no more, and [6, 3, 1] serves as fast
+# with a longer mean length (by request beside off, one process each, eagle's cached
+# head 2.044 at 1.553x against 2.017 at 1.556x, a freshly trained one 2.031 at 1.529x
+# against 1.988 at 1.512x; parallel 1.878 at 1.465x against 1.818 at 1.447x; dflash
+# 1.660 at 1.273x against 1.618 at 1.269x).
+SERVED_TREE = (6, 3, 1)
 
 
 def served_figures_apart(model_path: Path, dtype: str, head_dir: Path, method: str, k: int,

@@ -85,7 +85,7 @@ def test_a_chain_method_measures_acceptance_with_every_chain_drawn_to_k(
     assert seen[1][1].gate == got["min_draft_confidence"]
     assert got["speedup_vs_off_default_policy"] == 1.4
     # Beside the default policy, trees of SERVED_TREE K deep, their K the nodes (2 deep).
-    assert got["tree"] == {"draft_top_k": [4, 2, 1], "k": 4 + 2, "mean_acceptance_length": 1.9,
+    assert got["tree"] == {"draft_top_k": [6, 3, 1], "k": 6 + 3, "mean_acceptance_length": 1.9,
                            "reach": [0.7, 0.2], "leaf_hits": 12,
                            "verifications": 30, "speedup_vs_off": 1.6}
 

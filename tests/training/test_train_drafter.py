@@ -190,7 +190,7 @@ def test_train_drafter_command_writes_a_head_that_serves(tmp_path: Path,
     assert served["speedup_vs_off_default_policy"] > 0
     # ... and the tok/s of one who asks for trees (lossless above covers them too).
     tree = served["tree"]
-    assert tree["k"] == 4 + 2 and tree["verifications"] > 0 and tree["speedup_vs_off"] > 0
+    assert tree["k"] == 6 + 3 and tree["verifications"] > 0 and tree["speedup_vs_off"] > 0
     assert len(metrics["held_out_agreement_per_step"]) == 2
     assert metrics["expected_acceptance_length"] >= 1
     config = json.loads((out / "config.json").read_text())
