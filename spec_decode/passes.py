@@ -98,7 +98,7 @@ class DraftPass:
         position the next step recomputes, so nothing reads what they would write
         before it is rewritten, and no readout row is among them. The pass the
         scheduler charged and the runner checked keeps them; a drafter need not run
-        them (a tree of 8 verified with one accepted: 9 rows planned, 3 run)."""
+        them (eagle verifying a tree of 8, one draft accepted: 9 rows charged, 2 run)."""
         if self.unpadded is None or np.array_equal(self.unpadded, self.rows_per_req):
             return self
         j = np.arange(self.num_rows) - np.repeat(self.slice_starts, self.rows_per_req)
