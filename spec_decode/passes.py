@@ -105,9 +105,9 @@ class DraftPass:
         keep = j < self.unpadded[self.req_index]
         dropped_before = np.cumsum(~keep) - ~keep
         return DraftPass(self.name, self.req_index[keep], self.positions[keep],
-                         self.token_ids[keep], self.hidden_src[keep], self.unpadded.copy(),
+                         self.token_ids[keep], self.hidden_src[keep], self.unpadded,
                          self.starts, self.readout - dropped_before[self.readout],
-                         self.reads_per_req, self.cached[keep], self.unpadded)
+                         self.reads_per_req, self.cached[keep])  # no padding left
 
     @property
     def slice_starts(self) -> np.ndarray:
