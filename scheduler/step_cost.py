@@ -261,9 +261,14 @@ class StepTimeModel:
         measures; once measured, the deviation is small and the mean decides."""
         theta, cov = self.fit_for_decision()
         x = self.features(target, logits, drafter, passes)
-        mean = x @ theta
+        # Each step's sums in one order whatever else is priced with it: BLAS's `@`
+        # gives a row other bits in a call of another height (an AVX2 EPYC's OpenBLAS
+        # did, an AVX-512 Zen 5's did not), and a search that prices every depth's
+        # prefixes in one call must find what each depth's own call finds.
+        mean = (x * theta).sum(axis=-1)
         extra = x - x[0]
-        spread = np.sqrt(self.noise_var * ((extra @ cov) * extra).sum(axis=1))
+        spread = np.sqrt(self.noise_var
+                         * ((extra[:, :, None] * cov).sum(axis=1) * extra).sum(axis=1))
         extra_mean = np.maximum(mean - mean[0], 0.0)
         added = np.maximum(extra_mean - self.optimism * spread,
                            self.optimism_floor * extra_mean)

@@ -6,7 +6,9 @@ import os
 import shutil
 
 import pytest
+import torch
 
+from runner.models.linear import LinearKernel, OneDNNLinear, TorchLinear
 from runner.simulated import SimulatedRunner
 from scheduler import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.config import GoodputSettings
@@ -70,3 +72,13 @@ def spec_dict(method: str | None, k: int, **options: object) -> dict | None:
     if get_method(method).drafter == "head":
         spec.setdefault("model", "random")
     return spec
+
+
+def kernel_that_packs(dtype: torch.dtype) -> LinearKernel:
+    """oneDNN where it packs `dtype` on this CPU, else `F.linear`: oneDNN's bfloat16
+    path needs AVX-512 (or AVX-NE-CONVERT), which an AVX2 EPYC lacks (2026-12-07)."""
+    try:
+        OneDNNLinear().pack(torch.zeros(8, 16, dtype=dtype), None)
+    except RuntimeError:
+        return TorchLinear()
+    return OneDNNLinear()

@@ -358,13 +358,13 @@ def test_a_packed_heads_rotations_come_from_its_table_bit_for_bit(
     `rope`'s bits at the first, a middle and the last position it holds; a position
     past it is computed as `rope` computes it."""
     from runner.eagle3 import ROTARY_TABLE_MAX
-    from runner.models.linear import OneDNNLinear
     from runner.models.llama import Rotary
+    from tests.helpers import kernel_that_packs
 
     write_published_layout(tmp_path / "head", model, default_aux_layers(
         model.config.num_hidden_layers))
     head = load_eagle3(tmp_path / "head", model).to(dtype)
-    head.pack(OneDNNLinear())
+    head.pack(kernel_that_packs(dtype))
     last = min(head.config.max_position_embeddings, ROTARY_TABLE_MAX) - 1
     positions = torch.tensor([0, 7, 300, last, last + 5])
     got = head._rotary(positions, dtype)

@@ -11,8 +11,8 @@ import torch
 from runner.attention import AttentionMetadata, get_attention_backend
 from runner.draft_models import DraftLM
 from runner.eagle3 import Eagle3Config, Eagle3Head
-from runner.models.linear import OneDNNLinear
 from runner.models.llama import LlamaConfig, LlamaForCausalLM
+from tests.helpers import kernel_that_packs
 
 BLOCK = 16
 ROWS = (5, 2)  # two requests' rows in the pass
@@ -90,7 +90,7 @@ def test_head_write_only_pass_writes_the_full_pass_kv(backend: str, packed: bool
     head = Eagle3Head(Eagle3Config.for_target(target.config, 32, layers), target,
                       seed=3).to(dtype)
     if packed:
-        head.pack(OneDNNLinear())
+        head.pack(kernel_that_packs(dtype))
     full, written = both_ways(head, layers, target.config, backend, dtype)
     assert_same(full, written, caches(layers, target.config, dtype))
 
