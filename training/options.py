@@ -109,6 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-prompts", type=at_least(0), default=24,
                         help="held-out instructions served with the new head after "
                              "training, against speculation off (0: skip)")
+    parser.add_argument("--served-max-tokens", type=at_least(1), default=64,
+                        help="tokens each served answer runs to")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="output dir (default: the model cache)")
     parser.add_argument("--no-progress", action="store_true")

@@ -258,7 +258,8 @@ def run(args: argparse.Namespace) -> dict:
         llm.close()
         metrics["served"] = served_figures_apart(path, args.dtype, out, args.method,
                                                  train_config.depth,
-                                                 num_prompts=args.served_prompts)
+                                                 num_prompts=args.served_prompts,
+                                                 max_tokens=args.served_max_tokens)
         metrics["wall_s_with_served"] = round(time.monotonic() - started, 1)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     print(json.dumps(metrics))

@@ -197,7 +197,8 @@ def test_train_drafter_command_writes_a_head_that_serves(tmp_path: Path,
     out = tmp_path / "head"
     assert main(["train-drafter", "--tokens", "512", "--updates", "4", "--max-prompts", "2",
                  "--draft-vocab-size", "256", "--num-speculative-tokens", "2",
-                 "--served-prompts", "1", "--loss", "kl", "--lr", "2e-3", "--no-progress",
+                 "--served-prompts", "1", "--served-max-tokens", "16", "--loss", "kl",
+                 "--lr", "2e-3", "--no-progress",
                  "--weight-decay", "0.01", "--head-layers", "2", "--out", str(out)]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["train_windows"] == 4 and metrics["updates"] == 4 and metrics["lr"] == 2e-3
@@ -206,6 +207,7 @@ def test_train_drafter_command_writes_a_head_that_serves(tmp_path: Path,
     assert metrics["head_layers"] == 2  # ... and this one the head (served below)
     served = metrics["served"]  # the head served on a held-out instruction
     assert served["lossless"] and served["draft_tokens"] > 0
+    assert served["max_tokens"] == 16  # --served-max-tokens reaches the child process
     assert len(served["acceptance_per_position"]) == 2 and served["speedup_vs_off"] > 0
     # ... and the tok/s a user gets who only names the method (the default policy).
     assert served["default_policy"] == "goodput"
