@@ -1070,3 +1070,51 @@ def test_the_time_model_is_fed_the_one_row_steps_the_chains_ran() -> None:
     drain(sched, runner)
     assert any(steps > 0 for steps in priced)  # the policy priced chains past one draft
     assert all(fed <= 1 for fed in seen)  # one pass, no one-row step, ever ran
+
+
+def _taught_model() -> StepTimeModel:
+    """A head's model taught steps at varied rows, drafter rows and passes."""
+    model = StepTimeModel("head", GoodputSettings())
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        t, d = int(rng.integers(1, 200)), int(rng.integers(0, 60))
+        model.observe(t, t, d, int(rng.integers(0, 5)),
+                      0.01 + 1e-4 * t + 5e-5 * d + float(rng.normal(0, 1e-3)))
+    return model
+
+
+def _prices_alone_and_together(model: StepTimeModel) -> tuple[np.ndarray, np.ndarray]:
+    """Each of 300 steps priced with the base alone, and all of them in one call."""
+    rng = np.random.default_rng(8)
+    rows = np.concatenate([[4], rng.integers(5, 400, 300)])
+    drafter = np.concatenate([[4], rng.integers(4, 300, 300)])
+    passes = np.concatenate([[1], rng.integers(1, 5, 300)])
+    together = model.predict_optimistic(rows, rows, drafter, passes)
+    alone = np.array([model.predict_optimistic(rows[[0, i]], rows[[0, i]], drafter[[0, i]],
+                                               passes[[0, i]])[1]
+                      for i in range(1, len(rows))])
+    return together[1:], alone
+
+
+def test_a_steps_price_has_its_bits_whatever_is_priced_beside_it() -> None:
+    """What the prefix search relies on when it prices every depth in one call: a
+    step's optimistic price is bit for bit the one it gets priced beside the base
+    alone."""
+    together, alone = _prices_alone_and_together(_taught_model())
+    assert np.array_equal(together, alone)
+
+
+def test_the_price_check_fails_on_sums_that_depend_on_the_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Broken on purpose: every row's sums in reverse order in a call of more than two
+    steps (as a BLAS kernel may sum a taller call otherwise). The check must see it."""
+    real = np.einsum
+
+    def reordered(spec: str, *ops: np.ndarray) -> np.ndarray:
+        if len(ops[0]) > 2:
+            ops = (ops[0][:, ::-1], *(op[::-1] for op in ops[1:]))
+        return real(spec, *ops)
+
+    monkeypatch.setattr(np, "einsum", reordered)
+    together, alone = _prices_alone_and_together(_taught_model())
+    assert not np.array_equal(together, alone)
