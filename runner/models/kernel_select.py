@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from runner.models import linear_blocks
 from runner.models.linear import (
     KernelChoice,
     LinearKernel,
@@ -34,6 +35,10 @@ def _candidates(dtype: torch.dtype, device: torch.device,
         kernels.append(OneDNNLinear())
         kernels.extend(RowCapped(OneDNNLinear(), cap) for cap in ONEDNN_ROW_CAPS)
     kernels.append(TorchLinear())
+    if dtype == torch.float32 and device.type == "cpu" and linear_blocks.available():
+        # a weight dequantized from GGUF blocks runs from them, any other on the kernel
+        # behind (runner/models/linear_blocks.py)
+        kernels = [linear_blocks.BlockLinear(kernel) for kernel in kernels] + kernels
     return kernels
 
 

@@ -50,6 +50,12 @@ class LinearKernel(ABC):
         """weight [out, in]. Pack again after changing a weight: a packed copy does
         not follow it."""
 
+    def probe_weights(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Weights the row-invariance probe packs in place of a random `weight`: one
+        per path `pack` can choose (a kernel for weights of some form adds one of that
+        form)."""
+        return (weight,)
+
 
 class _TorchPacked(PackedLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -215,18 +221,23 @@ def is_row_invariant(kernel: LinearKernel, dtype: torch.dtype, in_features: int,
     """Whether each row of `kernel`'s output is bitwise the same whatever else shares
     the call: for every row count in `_PROBE_ROWS`, each row alone against the same row
     inside the call, with and without the residual post-op, on random data of these
-    shapes. (A row alone against its place in a wider call, not only prefixes: some
-    kernels give a row other bits at another index of the same call.)"""
+    shapes, for each weight `kernel.probe_weights` gives. (A row alone against its
+    place in a wider call, not only prefixes: some kernels give a row other bits at
+    another index of the same call.)"""
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(dtype)
     x = torch.randn(64, in_features, generator=gen).to(dtype).to(device)
     residual = torch.randn(64, out_features, generator=gen).to(dtype).to(device)
     try:
-        packed = kernel.pack(weight.to(device), None)
-        alone = torch.cat([packed(x[i:i + 1]) for i in range(64)])
-        alone_add = torch.cat([packed.add(x[i:i + 1], residual[i:i + 1]) for i in range(64)])
-        return all(torch.equal(packed(x[:m]), alone[:m])
-                   and torch.equal(packed.add(x[:m], residual[:m]), alone_add[:m])
-                   for m in (*_PROBE_ROWS, 64))
+        return all(_rows_alone(kernel.pack(probe.to(device), None), x, residual)
+                   for probe in kernel.probe_weights(weight))
     except (RuntimeError, NotImplementedError):
         return False  # the kernel does not run here at all
+
+
+def _rows_alone(packed: PackedLinear, x: torch.Tensor, residual: torch.Tensor) -> bool:
+    alone = torch.cat([packed(x[i:i + 1]) for i in range(64)])
+    alone_add = torch.cat([packed.add(x[i:i + 1], residual[i:i + 1]) for i in range(64)])
+    return all(torch.equal(packed(x[:m]), alone[:m])
+               and torch.equal(packed.add(x[:m], residual[:m]), alone_add[:m])
+               for m in (*_PROBE_ROWS, 64))

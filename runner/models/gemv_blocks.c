@@ -1,0 +1,332 @@
+/* Float32 rows times a weight held as its GGUF blocks (Q4_1 or Q8_0), for a float32 model
+ * whose linear layers came from such a file (runner/models/linear_blocks.py).
+ *
+ * Built at first use by runner/native.py and called through ctypes. The default model is
+ * SmolLM2-135M's Q4_1 GGUF dequantized to float32 once (runner/model_prep.py): its
+ * weights are 4-bit codes times a per-32-input scale plus a per-32-input minimum, and
+ * a decode step that streams them as float32 moves 8x the bytes the codes need. On a
+ * CPU whose memory gives two cores ~8 GB/s (the AVX2 EPYC this project ran on,
+ * 2026-12-07) that read is the step.
+ *
+ * Each weight is rebuilt here exactly as the conversion computed it, d * q rounded to
+ * float32, then + m rounded: the product of a float16 scale (11 significant bits) and
+ * a code of at most 8 bits is exact in float32, so one FMA rounds only the sum and
+ * gives the same bits. The model's weights are the float32 ones bit for bit. Sums are in float32, each output's over the inputs in
+ * order, then the bias and the residual added: a row's bits do not depend on the other
+ * rows of the call, as the target's kernel must ensure (runner/models/linear.py).
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <math.h>
+#include <stdlib.h>
+
+#define LANES 16  /* outputs a block: two registers of eight floats */
+#define GROUP 32  /* inputs sharing a scale (and a minimum) */
+#define CHUNK 64  /* inputs rebuilt at a time: up to TILE blocks' fit in L1 (24 KB) */
+#define TILE 6    /* rows x blocks whose sums are held at once (12 of 16 registers) */
+#define FUSED_BLOCKS_1 2  /* blocks a one-row call takes at once: four FMA chains */
+
+/* Output block `nb`'s weights for inputs [k0, k0 + CHUNK) rebuilt into `w` as [CHUNK][16]
+ * floats. Codes: 4-bit, [N / 16][K][8] bytes, byte j holding output j in its low nibble
+ * and output j + 8 in its high one; or 8-bit signed, [N / 16][K][16]. Scales and
+ * minimums: float16, [N / 16][K / 32][16] (no minimums for 8-bit codes: d * q). */
+static void rebuild(int bits, const uint8_t *codes, const uint16_t *d, const uint16_t *m,
+                    int K, int nb, int k0, float *w) {
+    const int groups = K / GROUP;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int g = k0 / GROUP; g < (k0 + CHUNK) / GROUP; g++) {
+        const uint16_t *dg = d + ((int64_t)nb * groups + g) * LANES;
+        const __m256 d_lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dg));
+        const __m256 d_hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + 8)));
+        float *out = w + (int64_t)(g * GROUP - k0) * LANES;
+        if (bits == 4) {
+            const uint16_t *mg = m + ((int64_t)nb * groups + g) * LANES;
+            const __m256 m_lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mg));
+            const __m256 m_hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mg + 8)));
+            const uint8_t *c = codes + ((int64_t)nb * K + (int64_t)g * GROUP) * 8;
+            for (int k = 0; k < GROUP; k++) {
+                const __m128i raw = _mm_loadl_epi64((const __m128i *)(c + k * 8));
+                const __m128i lo = _mm_and_si128(raw, low);
+                const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+                const __m256 q_lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+                const __m256 q_hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+                _mm256_store_ps(out + k * LANES, _mm256_fmadd_ps(q_lo, d_lo, m_lo));
+                _mm256_store_ps(out + k * LANES + 8, _mm256_fmadd_ps(q_hi, d_hi, m_hi));
+            }
+        } else {
+            const uint8_t *c = codes + ((int64_t)nb * K + (int64_t)g * GROUP) * LANES;
+            for (int k = 0; k < GROUP; k++) {
+                const __m128i raw = _mm_loadu_si128((const __m128i *)(c + k * LANES));
+                const __m256 q_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+                const __m256 q_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
+                _mm256_store_ps(out + k * LANES, _mm256_mul_ps(q_lo, d_lo));
+                _mm256_store_ps(out + k * LANES + 8, _mm256_mul_ps(q_hi, d_hi));
+            }
+        }
+    }
+}
+
+/* R_ rows times B_ rebuilt blocks (`w`: [B_][CHUNK][16]) over one chunk, the sums carried
+ * in `acc` ([R_][B_][16]; zero before the first chunk). R_ and B_ are constants at each
+ * call (`tile` below) so that the compiler holds every sum in a register: one row
+ * through six blocks keeps twelve FMA chains in flight where one block would keep two,
+ * and an output's sum is the same sequence of FMAs whatever the tile. */
+static inline __attribute__((always_inline)) void tile_rows(
+        const int R_, const int B_, const float *w, const float *x, int64_t xs, float *acc) {
+    __m256 lo_acc[TILE], hi_acc[TILE];
+#pragma GCC unroll 8
+    for (int i = 0; i < R_ * B_; i++) {
+        lo_acc[i] = _mm256_load_ps(acc + i * LANES);
+        hi_acc[i] = _mm256_load_ps(acc + i * LANES + 8);
+    }
+    for (int k = 0; k < CHUNK; k++) {
+#pragma GCC unroll 8
+        for (int r = 0; r < R_; r++) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * xs + k);
+#pragma GCC unroll 8
+            for (int b = 0; b < B_; b++) {
+                const float *wk = w + ((int64_t)b * CHUNK + k) * LANES;
+                lo_acc[r * B_ + b] = _mm256_fmadd_ps(_mm256_load_ps(wk), xv, lo_acc[r * B_ + b]);
+                hi_acc[r * B_ + b] = _mm256_fmadd_ps(_mm256_load_ps(wk + 8), xv, hi_acc[r * B_ + b]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < R_ * B_; i++) {
+        _mm256_store_ps(acc + i * LANES, lo_acc[i]);
+        _mm256_store_ps(acc + i * LANES + 8, hi_acc[i]);
+    }
+}
+
+/* `tile_rows` for one block and 1 to 6 rows, each count its own copy. */
+static void tile(int rows, const float *w, const float *x, int64_t xs, float *acc) {
+#define CASE(R) if (rows == R) { tile_rows(R, 1, w, x, xs, acc); return; }
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
+#undef CASE
+}
+
+/* Sums (in `acc`, [M][B][16]) to outputs, with the bias and the residual. */
+static void finish(const float *acc, int M, int B, int N, int nb0, float *y, int64_t ys,
+                   const float *res, int64_t rs, const float *bias) {
+    for (int r = 0; r < M; r++)
+        for (int b = 0; b < B; b++) {
+            const int nb = nb0 + b, valid = N - nb * LANES < LANES ? N - nb * LANES : LANES;
+            for (int l = 0; l < valid; l++) {
+                const int64_t n = (int64_t)nb * LANES + l;
+                float v = acc[((int64_t)r * B + b) * LANES + l];
+                if (bias) v += bias[n];
+                if (res) v += res[r * rs + n];
+                y[r * ys + n] = v;
+            }
+        }
+}
+
+/* Output block `nb`'s scales (and minimums) for group `g`, as two registers each. */
+struct scales { __m256 d_lo, d_hi, m_lo, m_hi; };
+
+static inline __attribute__((always_inline)) struct scales scales_at(
+        const int BITS, const uint16_t *d, const uint16_t *m, int K, int nb, int g) {
+    const int64_t i = ((int64_t)nb * (K / GROUP) + g) * LANES;
+    struct scales s;
+    s.d_lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + i)));
+    s.d_hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + i + 8)));
+    s.m_lo = BITS == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + i))) : s.d_lo;
+    s.m_hi = BITS == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + i + 8))) : s.d_hi;
+    return s;
+}
+
+/* Sixteen weights of output block `nb` at input `k`, rebuilt in two registers (outputs
+ * 0-7 and 8-15): the same values `rebuild` stores. */
+static inline __attribute__((always_inline)) void weights_at(
+        const int BITS, const uint8_t *codes, const struct scales *s, int K, int nb, int k,
+        __m256 *lo, __m256 *hi) {
+    if (BITS == 4) {
+        const __m128i low = _mm_set1_epi8(0x0F);
+        const __m128i raw = _mm_loadl_epi64((const __m128i *)(codes + ((int64_t)nb * K + k) * 8));
+        const __m256 q_lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(raw, low)));
+        const __m256 q_hi = _mm256_cvtepi32_ps(
+            _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low)));
+        *lo = _mm256_fmadd_ps(q_lo, s->d_lo, s->m_lo);
+        *hi = _mm256_fmadd_ps(q_hi, s->d_hi, s->m_hi);
+    } else {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(codes + ((int64_t)nb * K + k) * LANES));
+        *lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), s->d_lo);
+        *hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))), s->d_hi);
+    }
+}
+
+/* A call of R_ <= 6 rows through B_ blocks from nb0, every weight rebuilt in registers as
+ * it is used and every sum held in one over all K inputs: for a few rows, storing the
+ * rebuilt weights and loading them back cost more than rebuilding them once a row
+ * group. The sums are the same FMAs in the same order as `tile_rows`'. */
+static inline __attribute__((always_inline)) void fused_rows(
+        const int BITS, const int R_, const int B_, const uint8_t *codes, const uint16_t *d,
+        const uint16_t *m, const float *x, int64_t xs, int K, int nb0, float *acc) {
+    __m256 lo_acc[TILE], hi_acc[TILE];
+#pragma GCC unroll 8
+    for (int i = 0; i < R_ * B_; i++) lo_acc[i] = hi_acc[i] = _mm256_setzero_ps();
+    for (int g = 0; g < K / GROUP; g++) {
+        struct scales s[FUSED_BLOCKS_1];
+#pragma GCC unroll 8
+        for (int b = 0; b < B_; b++) s[b] = scales_at(BITS, d, m, K, nb0 + b, g);
+        for (int k = g * GROUP; k < (g + 1) * GROUP; k++) {
+#pragma GCC unroll 8
+            for (int b = 0; b < B_; b++) {
+                __m256 lo, hi;
+                weights_at(BITS, codes, &s[b], K, nb0 + b, k, &lo, &hi);
+#pragma GCC unroll 8
+                for (int r = 0; r < R_; r++) {
+                    const __m256 xv = _mm256_broadcast_ss(x + r * xs + k);
+                    lo_acc[r * B_ + b] = _mm256_fmadd_ps(lo, xv, lo_acc[r * B_ + b]);
+                    hi_acc[r * B_ + b] = _mm256_fmadd_ps(hi, xv, hi_acc[r * B_ + b]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < R_ * B_; i++) {
+        _mm256_store_ps(acc + i * LANES, lo_acc[i]);
+        _mm256_store_ps(acc + i * LANES + 8, hi_acc[i]);
+    }
+}
+
+/* `fused_rows` for each code width and row count, each its own copy. */
+static void fused(int bits, int rows, const uint8_t *codes, const uint16_t *d,
+                  const uint16_t *m, const float *x, int64_t xs, int K, int nb0, float *acc) {
+#define CASE(R, B)                                                                   \
+    if (rows == R) {                                                                 \
+        if (bits == 4) fused_rows(4, R, B, codes, d, m, x, xs, K, nb0, acc);         \
+        else fused_rows(8, R, B, codes, d, m, x, xs, K, nb0, acc);                   \
+        return;                                                                      \
+    }
+    CASE(1, FUSED_BLOCKS_1) CASE(2, 1) CASE(3, 1) CASE(4, 1) CASE(5, 1) CASE(6, 1)
+#undef CASE
+}
+
+/* Each thread's buffers (rebuilt weights, then sums), grown to the widest call it has
+ * seen. */
+static __thread float *scratch;
+static __thread int64_t scratch_floats;
+
+static float *scratch_for(int64_t need) {
+    if (need > scratch_floats) {
+        free(scratch);
+        scratch = aligned_alloc(64, (size_t)need * sizeof(float));
+        scratch_floats = scratch ? need : 0;
+    }
+    return scratch;
+}
+
+/* Output block nb for a call of more than 6 rows: chunk by chunk, the block's weights
+ * rebuilt once and every row group's tile run over them. */
+static void wide_block(int bits, const uint8_t *codes, const uint16_t *d, const uint16_t *m,
+                       const float *x, int64_t xs, int M, int K, int N, int nb, float *w,
+                       float *acc, float *y, int64_t ys, const float *res, int64_t rs,
+                       const float *bias) {
+    for (int64_t i = 0; i < (int64_t)M * LANES; i++) acc[i] = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += CHUNK) {
+        rebuild(bits, codes, d, m, K, nb, k0, w);
+        for (int r0 = 0; r0 < M; r0 += TILE)
+            tile(M - r0 < TILE ? M - r0 : TILE, w, x + r0 * xs + k0, xs, acc + (int64_t)r0 * LANES);
+    }
+    finish(acc, M, 1, N, nb, y, ys, res, rs, bias);
+}
+
+/* y[r] = w @ x[r] (+ bias) (+ res[r]) for M rows, w as `rebuild` reads it (`bits` 4 or
+ * 8; N rounded up to a multiple of 16 x 6 with zero codes and scales; K a multiple of
+ * 64). x: rows of K floats, `xs` apart; y and res: rows of N floats, `ys` and `rs`
+ * apart; bias: N floats or NULL. Each thread takes its own contiguous run of output
+ * blocks. Returns 0, or -1 where a thread's buffer could not be allocated (y then
+ * incomplete). */
+int specbudget_gemv_blocks(int bits, const uint8_t *codes, const uint16_t *d,
+                           const uint16_t *m, const float *x, int64_t xs, int M, int K,
+                           int N, float *y, int64_t ys, const float *res, int64_t rs,
+                           const float *bias) {
+    const int B = M == 1 ? FUSED_BLOCKS_1 : 1, runs = (N + LANES * B - 1) / (LANES * B);
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int lo = (int)((int64_t)runs * t / T), hi = (int)((int64_t)runs * (t + 1) / T);
+        if (M <= TILE) {
+            float acc[TILE * LANES] __attribute__((aligned(32)));
+            for (int run = lo; run < hi; run++) {
+                fused(bits, M, codes, d, m, x, xs, K, run * B, acc);
+                finish(acc, M, B, N, run * B, y, ys, res, rs, bias);
+            }
+        } else {
+            float *w = lo < hi ? scratch_for((int64_t)(CHUNK + M) * LANES) : NULL;
+            if (lo < hi && !w) failed = 1;
+            for (int nb = lo; w && nb < hi; nb++)
+                wide_block(bits, codes, d, m, x, xs, M, K, N, nb, w, w + CHUNK * LANES, y, ys,
+                           res, rs, bias);
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+/* ---- finding the blocks in a float32 weight (runner/models/linear_blocks.py) ---------- */
+
+/* `value` rounded to float16 (to nearest, ties to even) and back: the scale a quantizer
+ * stored, to within a float16 step. */
+static float f16_round(float value) { return _cvtsh_ss(_cvtss_sh(value, 0)); }
+
+static float f16_step(float value, int step) {
+    const unsigned short bits = _cvtss_sh(value, 0);
+    if (step < 0 && (bits & 0x7FFF) == 0) return _cvtsh_ss(bits);  /* none below zero */
+    return _cvtsh_ss((unsigned short)(bits + step));
+}
+
+static uint32_t bits_of(float value) {
+    union { float f; uint32_t u; } v = {value + 0.0f};  /* + 0: a zero's sign is + */
+    return v.u;
+}
+
+/* Whether scale `d` (and minimum `mn`) rebuild the group `w` bit for bit; if so its codes
+ * into `codes`. */
+static int rebuilds(int bits, const float *w, float d, float mn, int lowest, int highest,
+                    int8_t *codes) {
+    for (int j = 0; j < GROUP; j++) {
+        float q = d > 0 ? rintf((w[j] - mn) / d) : 0.0f;
+        q = q < lowest ? (float)lowest : q > highest ? (float)highest : q;
+        const float rebuilt = bits == 4 ? fmaf(q, d, mn) : q * d;
+        if (bits_of(rebuilt) != bits_of(w[j])) return 0;
+        codes[j] = (int8_t)q;
+    }
+    return 1;
+}
+
+/* The `groups` groups of 32 weights at `w` as `bits`-bit blocks: codes (uint8 0-15 or
+ * int8, one a weight), scales and minimums (one a group; minimums 0 for 8-bit codes).
+ * The scale is taken from the group's extreme (a quantizer maps it to the top code) and
+ * its float16 neighbours are tried too, each checked by rebuilding the whole group.
+ * Returns how many groups no candidate rebuilt (0: the weight is of this format). */
+int64_t specbudget_find_blocks(int bits, const float *w, int64_t groups, int8_t *codes,
+                               float *scales, float *minimums) {
+    const int lowest = bits == 4 ? 0 : -127, highest = bits == 4 ? 15 : 127;
+    int64_t failed = 0;
+#pragma omp parallel for reduction(+ : failed) schedule(static)
+    for (int64_t i = 0; i < groups; i++) {
+        const float *g = w + i * GROUP;
+        float lo = g[0], hi = g[0], amax = 0.0f;
+        for (int j = 0; j < GROUP; j++) {
+            lo = g[j] < lo ? g[j] : lo;
+            hi = g[j] > hi ? g[j] : hi;
+            amax = fabsf(g[j]) > amax ? fabsf(g[j]) : amax;
+        }
+        const float mn = bits == 4 ? lo : 0.0f;
+        const float spread = (bits == 4 ? hi - lo : amax) / (float)highest;
+        int found = bits == 4 && f16_round(lo) != lo ? 0 : -1;
+        for (int step = 0; found < 0 && step < 3; step++) {
+            const float d = f16_step(spread, step == 2 ? -1 : step);
+            if (rebuilds(bits, g, d, mn, lowest, highest, codes + i * GROUP)) {
+                scales[i] = d;
+                minimums[i] = mn;
+                found = 1;
+            }
+        }
+        failed += found != 1;
+    }
+    return failed;
+}
