@@ -26,6 +26,7 @@
 #define CHUNK 64  /* inputs rebuilt at a time: up to TILE blocks' fit in L1 (24 KB) */
 #define TILE 6    /* rows x blocks whose sums are held at once (12 of 16 registers) */
 #define FUSED_BLOCKS_1 2  /* blocks a one-row call takes at once: four FMA chains */
+#define AHEAD 2   /* groups fetched ahead of use */
 
 /* Output block `nb`'s weights for inputs [k0, k0 + CHUNK) rebuilt into `w` as [CHUNK][16]
  * floats. Codes: 4-bit, [N / 16][K][8] bytes, byte j holding output j in its low nibble
@@ -156,6 +157,21 @@ static inline __attribute__((always_inline)) void weights_at(
     }
 }
 
+/* Output block `nb`'s codes and scales for group `g`, fetched towards L1 ahead of use: a
+ * run's blocks are separate streams, each read slowly enough (rebuilding costs more
+ * than streaming) that the hardware prefetcher alone left the memory idle. */
+static inline __attribute__((always_inline)) void prefetch_group(
+        const int BITS, const uint8_t *codes, const uint16_t *d, const uint16_t *m, int K,
+        int nb, int g) {
+    if (g >= K / GROUP) return;
+    const int bytes = GROUP * LANES * BITS / 8;
+    const uint8_t *c = codes + ((int64_t)nb * K + (int64_t)g * GROUP) * LANES * BITS / 8;
+    for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)(c + line), _MM_HINT_T0);
+    const int64_t i = ((int64_t)nb * (K / GROUP) + g) * LANES;
+    _mm_prefetch((const char *)(d + i), _MM_HINT_T0);
+    if (BITS == 4) _mm_prefetch((const char *)(m + i), _MM_HINT_T0);
+}
+
 /* A call of R_ <= 6 rows through B_ blocks from nb0, every weight rebuilt in registers as
  * it is used and every sum held in one over all K inputs: for a few rows, storing the
  * rebuilt weights and loading them back cost more than rebuilding them once a row
@@ -169,7 +185,10 @@ static inline __attribute__((always_inline)) void fused_rows(
     for (int g = 0; g < K / GROUP; g++) {
         struct scales s[FUSED_BLOCKS_1];
 #pragma GCC unroll 8
-        for (int b = 0; b < B_; b++) s[b] = scales_at(BITS, d, m, K, nb0 + b, g);
+        for (int b = 0; b < B_; b++) {
+            s[b] = scales_at(BITS, d, m, K, nb0 + b, g);
+            prefetch_group(BITS, codes, d, m, K, nb0 + b, g + AHEAD);
+        }
         for (int k = g * GROUP; k < (g + 1) * GROUP; k++) {
 #pragma GCC unroll 8
             for (int b = 0; b < B_; b++) {

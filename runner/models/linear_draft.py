@@ -44,6 +44,7 @@ import torch
 from runner import native
 from runner.dtype import cpu_flags
 from runner.models.linear import LinearKernel, OneDNNLinear, PackedLinear, RowCapped
+from runner.models.linear_blocks import BlockLinear
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 # Rows a call takes through the bfloat16 kernel; past this the weight is streamed once
@@ -186,7 +187,12 @@ class DraftGemv(LinearKernel):
 def draft_kernel(target_kernel: LinearKernel, dtype: torch.dtype) -> LinearKernel:
     """The kernel a drafter's linear layers run with: the gemv for `dtype` for its
     small calls where this CPU and compiler have it, unsliced oneDNN for the rest where
-    the target runs oneDNN, else the target's own kernel."""
+    the target runs oneDNN, else the target's own kernel. Where the target runs weights
+    from their GGUF blocks (runner/models/linear_blocks.py) a drafter's do too (a draft
+    model made of them: a quarter of the bytes of the bfloat16-held gemv), and the
+    others (a trained head's) take the kernel above."""
+    if isinstance(target_kernel, BlockLinear):
+        return BlockLinear(draft_kernel(target_kernel.inner, dtype))
     if target_kernel.quantization is not None:
         return target_kernel
     onednn = isinstance(target_kernel, OneDNNLinear) or (

@@ -15,6 +15,7 @@ from runner.models.linear import (
     _OneDNNPacked,
     is_row_invariant,
 )
+from runner.models.linear_blocks import BlockLinear
 from runner.models.linear_draft import MAX_ROWS, DraftGemv, draft_kernel
 from runner.models.linear_int8 import Int8DynamicLinear
 
@@ -147,6 +148,11 @@ def test_the_drafter_kernel_follows_the_target() -> None:
     assert for_torch is torch_kernel or (isinstance(for_torch, DraftGemv)
                                          and for_torch.inner is torch_kernel)
     assert draft_kernel(int8, torch.float32) is int8
+    # a target on GGUF blocks: a draft model's block weights run from them, a head's
+    # on the drafter kernel its inner target gets
+    blocks = draft_kernel(BlockLinear(OneDNNLinear()), torch.float32)
+    assert isinstance(blocks, BlockLinear)
+    assert type(blocks.inner) is type(draft_kernel(OneDNNLinear(), torch.float32))
 
 
 def test_no_kernel_is_claimed_for_another_dtype() -> None:
