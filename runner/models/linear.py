@@ -13,6 +13,10 @@ take a matrix-vector path that sums in another order); the packed oneDNN kernel 
 `select_linear_kernel` (runner/models/kernel_select.py) checks that on this machine at
 start and keeps the first candidate that passes, so a machine whose libraries behave
 otherwise falls back instead of silently diverging.
+
+A float32 weight dequantized from GGUF blocks (the default model's) runs from the blocks
+instead (runner/models/linear_blocks.py): a quarter of the bytes or less, the same
+weights bit for bit.
 """
 
 from __future__ import annotations
