@@ -3,15 +3,16 @@
 The default model ships as a Q4_1 GGUF (its embedding, which is also its LM head, as
 Q8_0) and runs dequantized to float32 (runner/model_prep.py). Every weight is then
 d * q + m for a 4-bit code q and a scale d and minimum m shared by 32 inputs (Q8_0:
-d * q, q 8-bit), so a float32 decode step streams 8x (Q8_0: 3.6x) the bytes the
-codes need, and on a CPU bound by its memory that read is the step.
+d * q, q 8-bit), so a float32 decode step streams 6.4x (Q8_0: 3.8x) the bytes the
+blocks take, and on a CPU bound by its memory that read is the step.
 
 `BlockLinear` finds those blocks in a float32 weight (`find_blocks`: every weight must
 be rebuilt bit for bit, else the layer keeps the inner kernel) and runs the layer on
 gemv_blocks.c, which rebuilds each weight as the conversion did and sums in float32,
 each output over its inputs in order: the model is the float32 model, only summed in
 another order than oneDNN's, and each row's bits do not depend on what shares the call,
-which the target's kernel choice checks (runner/models/kernel_select.py). AVX2 and FMA.
+which the target's kernel choice checks (runner/models/kernel_select.py). AVX2, FMA and
+F16C.
 """
 
 from __future__ import annotations
