@@ -23,86 +23,43 @@
 
 #define LANES 16  /* outputs a block: two registers of eight floats */
 #define GROUP 32  /* inputs sharing a scale (and a minimum) */
-#define CHUNK 64  /* inputs rebuilt at a time: up to TILE blocks' fit in L1 (24 KB) */
+#define CHUNK 64  /* inputs a wide call rebuilds at a time (4 KB, in L1) */
 #define TILE 6    /* rows x blocks whose sums are held at once (12 of 16 registers) */
 #define FUSED_BLOCKS_1 2  /* blocks a one-row call takes at once: four FMA chains */
 #define AHEAD 2   /* groups fetched ahead of use */
 
-/* Output block `nb`'s weights for inputs [k0, k0 + CHUNK) rebuilt into `w` as [CHUNK][16]
- * floats. Codes: 4-bit, [N / 16][K][8] bytes, byte j holding output j in its low nibble
- * and output j + 8 in its high one; or 8-bit signed, [N / 16][K][16]. Scales and
- * minimums: float16, [N / 16][K / 32][16] (no minimums for 8-bit codes: d * q). */
-static void rebuild(int bits, const uint8_t *codes, const uint16_t *d, const uint16_t *m,
-                    int K, int nb, int k0, float *w) {
-    const int groups = K / GROUP;
-    const __m128i low = _mm_set1_epi8(0x0F);
-    for (int g = k0 / GROUP; g < (k0 + CHUNK) / GROUP; g++) {
-        const uint16_t *dg = d + ((int64_t)nb * groups + g) * LANES;
-        const __m256 d_lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dg));
-        const __m256 d_hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + 8)));
-        float *out = w + (int64_t)(g * GROUP - k0) * LANES;
-        if (bits == 4) {
-            const uint16_t *mg = m + ((int64_t)nb * groups + g) * LANES;
-            const __m256 m_lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mg));
-            const __m256 m_hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mg + 8)));
-            const uint8_t *c = codes + ((int64_t)nb * K + (int64_t)g * GROUP) * 8;
-            for (int k = 0; k < GROUP; k++) {
-                const __m128i raw = _mm_loadl_epi64((const __m128i *)(c + k * 8));
-                const __m128i lo = _mm_and_si128(raw, low);
-                const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
-                const __m256 q_lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-                const __m256 q_hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-                _mm256_store_ps(out + k * LANES, _mm256_fmadd_ps(q_lo, d_lo, m_lo));
-                _mm256_store_ps(out + k * LANES + 8, _mm256_fmadd_ps(q_hi, d_hi, m_hi));
-            }
-        } else {
-            const uint8_t *c = codes + ((int64_t)nb * K + (int64_t)g * GROUP) * LANES;
-            for (int k = 0; k < GROUP; k++) {
-                const __m128i raw = _mm_loadu_si128((const __m128i *)(c + k * LANES));
-                const __m256 q_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-                const __m256 q_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
-                _mm256_store_ps(out + k * LANES, _mm256_mul_ps(q_lo, d_lo));
-                _mm256_store_ps(out + k * LANES + 8, _mm256_mul_ps(q_hi, d_hi));
-            }
-        }
-    }
-}
-
-/* R_ rows times B_ rebuilt blocks (`w`: [B_][CHUNK][16]) over one chunk, the sums carried
- * in `acc` ([R_][B_][16]; zero before the first chunk). R_ and B_ are constants at each
- * call (`tile` below) so that the compiler holds every sum in a register: one row
- * through six blocks keeps twelve FMA chains in flight where one block would keep two,
- * and an output's sum is the same sequence of FMAs whatever the tile. */
+/* R_ rows times one rebuilt block (`w`: [CHUNK][16]) over one chunk, the sums carried in
+ * `acc` ([R_][16]; zero before the first chunk). R_ is a constant at each call (`tile`
+ * below) so that the compiler holds every sum in a register; an output's sum is the
+ * same sequence of FMAs as `fused_rows`'. */
 static inline __attribute__((always_inline)) void tile_rows(
-        const int R_, const int B_, const float *w, const float *x, int64_t xs, float *acc) {
+        const int R_, const float *w, const float *x, int64_t xs, float *acc) {
     __m256 lo_acc[TILE], hi_acc[TILE];
 #pragma GCC unroll 8
-    for (int i = 0; i < R_ * B_; i++) {
-        lo_acc[i] = _mm256_load_ps(acc + i * LANES);
-        hi_acc[i] = _mm256_load_ps(acc + i * LANES + 8);
+    for (int r = 0; r < R_; r++) {
+        lo_acc[r] = _mm256_load_ps(acc + r * LANES);
+        hi_acc[r] = _mm256_load_ps(acc + r * LANES + 8);
     }
     for (int k = 0; k < CHUNK; k++) {
+        const __m256 lo = _mm256_load_ps(w + (int64_t)k * LANES);
+        const __m256 hi = _mm256_load_ps(w + (int64_t)k * LANES + 8);
 #pragma GCC unroll 8
         for (int r = 0; r < R_; r++) {
             const __m256 xv = _mm256_broadcast_ss(x + r * xs + k);
-#pragma GCC unroll 8
-            for (int b = 0; b < B_; b++) {
-                const float *wk = w + ((int64_t)b * CHUNK + k) * LANES;
-                lo_acc[r * B_ + b] = _mm256_fmadd_ps(_mm256_load_ps(wk), xv, lo_acc[r * B_ + b]);
-                hi_acc[r * B_ + b] = _mm256_fmadd_ps(_mm256_load_ps(wk + 8), xv, hi_acc[r * B_ + b]);
-            }
+            lo_acc[r] = _mm256_fmadd_ps(lo, xv, lo_acc[r]);
+            hi_acc[r] = _mm256_fmadd_ps(hi, xv, hi_acc[r]);
         }
     }
 #pragma GCC unroll 8
-    for (int i = 0; i < R_ * B_; i++) {
-        _mm256_store_ps(acc + i * LANES, lo_acc[i]);
-        _mm256_store_ps(acc + i * LANES + 8, hi_acc[i]);
+    for (int r = 0; r < R_; r++) {
+        _mm256_store_ps(acc + r * LANES, lo_acc[r]);
+        _mm256_store_ps(acc + r * LANES + 8, hi_acc[r]);
     }
 }
 
 /* `tile_rows` for one block and 1 to 6 rows, each count its own copy. */
 static void tile(int rows, const float *w, const float *x, int64_t xs, float *acc) {
-#define CASE(R) if (rows == R) { tile_rows(R, 1, w, x, xs, acc); return; }
+#define CASE(R) if (rows == R) { tile_rows(R, w, x, xs, acc); return; }
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
 #undef CASE
 }
@@ -123,7 +80,12 @@ static void finish(const float *acc, int M, int B, int N, int nb0, float *y, int
         }
 }
 
-/* Output block `nb`'s scales (and minimums) for group `g`, as two registers each. */
+/* The packed weight (runner/models/linear_blocks.py). Codes: 4-bit, [N / 16][K][8] bytes,
+ * byte j holding output j in its low nibble and output j + 8 in its high one; or 8-bit
+ * signed, [N / 16][K][16]. Scales and minimums: float16, [N / 16][K / 32][16] (no
+ * minimums for 8-bit codes: the weight is d * q).
+ *
+ * Output block `nb`'s scales (and minimums) for group `g`, as two registers each. */
 struct scales { __m256 d_lo, d_hi, m_lo, m_hi; };
 
 static inline __attribute__((always_inline)) struct scales scales_at(
@@ -138,7 +100,8 @@ static inline __attribute__((always_inline)) struct scales scales_at(
 }
 
 /* Sixteen weights of output block `nb` at input `k`, rebuilt in two registers (outputs
- * 0-7 and 8-15): the same values `rebuild` stores. */
+ * 0-7 and 8-15): the one place a weight is rebuilt, for the fused and the wide path
+ * alike. */
 static inline __attribute__((always_inline)) void weights_at(
         const int BITS, const uint8_t *codes, const struct scales *s, int K, int nb, int k,
         __m256 *lo, __m256 *hi) {
@@ -170,6 +133,29 @@ static inline __attribute__((always_inline)) void prefetch_group(
     const int64_t i = ((int64_t)nb * (K / GROUP) + g) * LANES;
     _mm_prefetch((const char *)(d + i), _MM_HINT_T0);
     if (BITS == 4) _mm_prefetch((const char *)(m + i), _MM_HINT_T0);
+}
+
+/* Output block `nb`'s weights for inputs [k0, k0 + CHUNK) rebuilt into `w` as [CHUNK][16]
+ * floats, for a call of more than 6 rows: `weights_at`'s values, stored once and read
+ * by every row group. */
+static inline __attribute__((always_inline)) void rebuild_bits(
+        const int BITS, const uint8_t *codes, const uint16_t *d, const uint16_t *m, int K,
+        int nb, int k0, float *w) {
+    for (int g = k0 / GROUP; g < (k0 + CHUNK) / GROUP; g++) {
+        const struct scales s = scales_at(BITS, d, m, K, nb, g);
+        for (int k = g * GROUP; k < (g + 1) * GROUP; k++) {
+            __m256 lo, hi;
+            weights_at(BITS, codes, &s, K, nb, k, &lo, &hi);
+            _mm256_store_ps(w + (int64_t)(k - k0) * LANES, lo);
+            _mm256_store_ps(w + (int64_t)(k - k0) * LANES + 8, hi);
+        }
+    }
+}
+
+static void rebuild(int bits, const uint8_t *codes, const uint16_t *d, const uint16_t *m,
+                    int K, int nb, int k0, float *w) {
+    if (bits == 4) rebuild_bits(4, codes, d, m, K, nb, k0, w);
+    else rebuild_bits(8, codes, d, m, K, nb, k0, w);
 }
 
 /* A call of R_ <= 6 rows through B_ blocks from nb0, every weight rebuilt in registers as

@@ -52,14 +52,6 @@ class Blocks:
     scales: np.ndarray
     minimums: np.ndarray
 
-    def dequantized(self) -> np.ndarray:
-        n, k = self.codes.shape
-        scale = np.repeat(self.scales, GROUP, axis=1)
-        out = scale * self.codes.astype(np.float32)
-        if self.bits == 4:
-            out = out + np.repeat(self.minimums, GROUP, axis=1)
-        return out.reshape(n, k)
-
 
 def find_blocks(weight: torch.Tensor) -> Blocks | None:
     """`weight` [N, K] (float32, K a multiple of 64) as Q4_1 or Q8_0 blocks along its
@@ -105,7 +97,7 @@ def quantized(weight: torch.Tensor, bits: int) -> torch.Tensor:
     out = scale.astype(np.float16).astype(np.float32)[:, None] * code
     if bits == 4:
         out = out + minimum[:, None]
-    return torch.from_numpy(out.astype(np.float32).reshape(n, k))
+    return torch.from_numpy(out.reshape(n, k))
 
 
 def _lanes(array: np.ndarray) -> np.ndarray:
@@ -202,7 +194,9 @@ class _BlocksPacked(PackedLinear):
         return self._run(x, None) if self._fits(x) else self.fallback()(x)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        if self._fits(x) and residual.dtype == torch.float32 and residual.dim() == 2:
+        # the kernel reads the residual's rows by pointer: its shape is checked here
+        if self._fits(x) and residual.dtype == torch.float32 and tuple(residual.shape) == (
+                x.shape[0], self.out_features):
             return self._run(x, residual)
         return self.fallback().add(x, residual)
 
@@ -217,8 +211,7 @@ class BlockLinear(LinearKernel):
         self.quantization = inner.quantization
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
-        lib, _ = load()
-        blocks = None if lib is None else find_blocks(weight)
+        lib, blocks = load()[0], find_blocks(weight)  # no blocks where no kernel
         if lib is None or blocks is None:
             return self.inner.pack(weight, bias)
         return _BlocksPacked(blocks, bias, self.inner, lib)

@@ -26,12 +26,21 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return (t.numpy() + 0).view(np.int32)  # + 0: a zero's sign is +
 
 
+def _dequantized(blocks: linear_blocks.Blocks) -> np.ndarray:
+    """The conversion's formula (gguf's dequantize) on the codes and scales found."""
+    scale = np.repeat(blocks.scales, linear_blocks.GROUP, axis=1)
+    out = scale * blocks.codes.astype(np.float32)
+    if blocks.bits == 4:
+        out = out + np.repeat(blocks.minimums, linear_blocks.GROUP, axis=1)
+    return out
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_quantized_weight_is_found_in_its_format_and_rebuilt_bit_for_bit(bits: int) -> None:
     weight = _weight(100, 576, bits)
     blocks = find_blocks(weight)
     assert blocks is not None and blocks.bits == bits
-    assert np.array_equal((blocks.dequantized() + 0).view(np.int32), _bits(weight))
+    assert np.array_equal((_dequantized(blocks) + 0).view(np.int32), _bits(weight))
     packed = BlockLinear(OneDNNLinear()).pack(weight, None)
     assert type(packed).__name__ == "_BlocksPacked"
     # one-hot rows through the kernel: the weights it multiplies by, exactly
@@ -65,6 +74,10 @@ def test_outputs_match_float64_with_bias_residual_and_strided_rows(bits: int, ro
     assert torch.allclose(packed(x).double(), reference, atol=1e-4)
     assert torch.allclose(packed.add(x, residual).double(), reference + residual.double(),
                           atol=1e-4)
+    # a residual of another shape goes to the inner kernel, which refuses it, instead of
+    # being read past its end
+    with pytest.raises(RuntimeError):
+        packed.add(x, residual[:, :100])
 
 
 def test_rows_have_the_bits_they_have_alone_for_block_weights_and_any_other() -> None:
