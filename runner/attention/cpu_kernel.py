@@ -39,12 +39,17 @@ def load() -> tuple[ctypes.CDLL | None, str]:
                                    "the torch path serves")
     if lib is None:
         return None, why
+    return bind(lib), ""
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with the kernel's argument types declared (a build of SOURCE)."""
     fn = lib.specbudget_paged_attention
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64,
                    i32, ptr, ptr, ptr, i32, i64, i64, i32, i32, i32, i32, ctypes.c_float]
     fn.restype = ctypes.c_int
-    return lib, ""
+    return lib
 
 
 def available() -> bool:

@@ -23,12 +23,26 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "exp_nonpositive.h"
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
+/* Float lanes of a vector: one AVX-512 register, else one AVX2 one. A lane is one query
+ * row's column (scores) or one element of the head dimension (values), never a step of
+ * a chain, so the width changes which work shares an instruction, not a bit. Sixteen
+ * lanes on AVX2 (two registers a vector) ran out of registers: the score loop's 8
+ * accumulators spilled, and attention at one row over 1,024 keys took 920 us a layer
+ * on a 2-core AVX2 EPYC against torch's 282 (now 128; over 256 keys 1 / 5 / 17 rows
+ * 249 / 389 / 1166 -> 60 / 84 / 201 us, with the softmax on vectors below). */
+#ifdef __AVX512F__
 #define LANES 16
+#define PV_VECS 4 /* vectors of the head dimension held per row */
+#define FILL_QUERIES 16 /* query columns a few rows' tile fills (tile_rows) */
+#else
+#define LANES 8
+#define PV_VECS 2
+#define FILL_QUERIES 32
+#endif
 #define KEY_GROUP 8 /* keys whose scores are computed together */
 #define ROW_TILE 16 /* query rows per item: a long chunk's keys are read once per tile */
 
@@ -40,16 +54,17 @@
  * conversion is shared by fewer rows, and the threads share more items. Measured,
  * bfloat16, 9 query heads on 3 KV heads, 300 keys, 2 threads: one request of 9 rows
  * 109 -> 94 us, of 13 rows 157 -> 142 us, of 5 rows or fewer unchanged; cut alike, 4 or
- * 16 requests of 9 rows ran 8-12 % slower, so they are not. A row's arithmetic is the
- * same in any tile. */
+ * 16 requests of 9 rows ran 8-12 % slower, so they are not. With AVX2's 8 lanes, tiles
+ * of 32 query columns (10 rows) beat 16 (float32, 300 keys: 13 rows 250 against 303 us,
+ * 5 and 17 rows alike). A row's arithmetic is the same in any tile. */
 static inline int32_t tile_rows(int32_t rows, int group, int few_items) {
-    const int32_t fill = group < LANES ? LANES / group : 1;
+    const int32_t fill = group < FILL_QUERIES ? FILL_QUERIES / group : 1;
     return rows > ROW_TILE || !few_items ? ROW_TILE : fill;
 }
 
-/* Sixteen float lanes. A vector multiply-add is fmaf lane by lane: the intrinsic where
- * the machine has AVX-512, else the libm call per lane; either gives the same bits. */
-typedef float vec __attribute__((vector_size(64)));
+/* A vector multiply-add is fmaf lane by lane: one instruction where the machine has
+ * AVX-512 or AVX2 with FMA, else fmaf per lane; each gives the same bits. */
+typedef float vec __attribute__((vector_size(LANES * 4)));
 
 static inline vec load_vec(const float *p) {
     vec v;
@@ -59,13 +74,69 @@ static inline vec load_vec(const float *p) {
 
 static inline void store_vec(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
-static inline vec fma_vec(vec a, float b, vec c) {
+typedef int32_t ivec __attribute__((vector_size(LANES * 4)));
+typedef uint32_t uvec __attribute__((vector_size(LANES * 4)));
+
+static inline vec splat(float c) {
 #ifdef __AVX512F__
-    return (vec)_mm512_fmadd_ps((__m512)a, _mm512_set1_ps(b), (__m512)c);
+    return (vec)_mm512_set1_ps(c);
+#elif defined(__AVX2__) && defined(__FMA__)
+    return (vec)_mm256_set1_ps(c);
 #else
-    for (int l = 0; l < LANES; l++) c[l] = fmaf(a[l], b, c[l]);
+    vec v;
+    for (int l = 0; l < LANES; l++) v[l] = c;
+    return v;
+#endif
+}
+
+static inline ivec splat_i(int32_t c) {
+#ifdef __AVX512F__
+    return (ivec)_mm512_set1_epi32(c);
+#elif defined(__AVX2__) && defined(__FMA__)
+    return (ivec)_mm256_set1_epi32(c);
+#else
+    ivec v;
+    for (int l = 0; l < LANES; l++) v[l] = c;
+    return v;
+#endif
+}
+
+static inline vec fma_vv(vec a, vec b, vec c) {
+#ifdef __AVX512F__
+    return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX2__) && defined(__FMA__)
+    return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    for (int l = 0; l < LANES; l++) c[l] = fmaf(a[l], b[l], c[l]);
     return c;
 #endif
+}
+
+static inline vec fma_vec(vec a, float b, vec c) { return fma_vv(a, splat(b), c); }
+
+/* Lanes where mask is all ones from a, the others from b. */
+static inline vec select_vec(ivec mask, vec a, vec b) {
+    return (vec)(((ivec)a & mask) | ((ivec)b & ~mask));
+}
+
+/* exp_nonpositive (exp_nonpositive.h) on every lane: the same operations in the same
+ * order, so each lane's bits are the scalar function's. */
+static inline vec exp_nonpositive_vec(vec x) {
+    const vec lo = splat(-87.0f);
+    x = select_vec(x > lo, x, lo);
+    const vec n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    vec r = fma_vv(n, splat(-0.693359375f), x);
+    r = fma_vv(n, splat(2.12194440e-4f), r);
+    const vec z = r * r;
+    vec y = splat(1.9875691500e-4f);
+    y = fma_vv(y, r, splat(1.3981999507e-3f));
+    y = fma_vv(y, r, splat(8.3334519073e-3f));
+    y = fma_vv(y, r, splat(4.1665795894e-2f));
+    y = fma_vv(y, r, splat(1.6666665459e-1f));
+    y = fma_vv(y, r, splat(5.0000001201e-1f));
+    y = fma_vv(y, z, r + 1.0f);
+    const uvec e = (uvec)(__builtin_convertvector(n, ivec) + 127);
+    return y * (vec)(e << 23);
 }
 
 typedef struct {
@@ -105,7 +176,6 @@ static inline void prefetch_row(const void *base, int64_t index, int bf16, int D
 }
 
 #define PV_ROWS 4 /* query rows whose value sums are held in registers at once */
-#define PV_VECS 4 /* vectors of the head dimension held per row */
 
 /* A block of PV_ROWS rows x PV_VECS vectors of their value sums, held in registers over
  * a group's n keys: each value vector loaded once serves every row of the block. A sum
@@ -184,8 +254,8 @@ static inline void run_item(const Args *a, Item it, float *scratch, int bf16) {
         /* A lane sees keys [0, valid) but those in [skip_lo, skip_hi): a tree row skips
          * the keys between its prefix and its own (weight exactly 0, so it computes the
          * bits it would at the end of its prefix). */
-        int32_t valid[LANES], skip_lo[LANES], skip_hi[LANES];
-        float top[LANES], sum[LANES];
+        ivec valid, skip_lo, skip_hi;
+        vec top, sum;
         for (int l = 0; l < LANES; l++) {
             const int32_t row = it.first_row + (c + l) / G;
             valid[l] = c + l < nq ? pos0 + row + 1 : 0;
@@ -197,22 +267,22 @@ static inline void run_item(const Args *a, Item it, float *scratch, int bf16) {
             top[l] = -INFINITY;
             sum[l] = 0.0f;
         }
-#define SEEN(t, l) ((t) < valid[l] && ((t) < skip_lo[l] || (t) >= skip_hi[l]))
+/* Which lanes see key t, as a mask of vector lanes. Written on vectors: gcc left the
+ * lane-by-lane loops (and their exp) scalar, and the softmax took 4x its time now (AVX2,
+ * float32, one row over 1,024 keys). */
+#define SEEN(t) ((splat_i(t) < valid) & ((splat_i(t) < skip_lo) | (splat_i(t) >= skip_hi)))
         for (int32_t t = 0; t < nkeys; t++) {
-            const float *s = st + (int64_t)t * nqp + c;
-            for (int l = 0; l < LANES; l++) top[l] = SEEN(t, l) && s[l] > top[l] ? s[l] : top[l];
+            const vec s = load_vec(st + (int64_t)t * nqp + c);
+            top = select_vec(SEEN(t) & (s > top), s, top);
         }
         for (int32_t t = 0; t < nkeys; t++) {
             float *s = st + (int64_t)t * nqp + c;
-            for (int l = 0; l < LANES; l++) {
-                /* computed for every lane (a vector), kept where the key is seen */
-                const float e = exp_nonpositive(s[l] - top[l]);
-                const float p = SEEN(t, l) ? e : 0.0f;
-                s[l] = p;
-                sum[l] += p; /* past a row's last key: + 0, nothing */
-            }
+            /* computed for every lane, kept where the key is seen */
+            const vec p = select_vec(SEEN(t), exp_nonpositive_vec(load_vec(s) - top), splat(0.0f));
+            store_vec(s, p);
+            sum += p; /* past a row's last key: + 0, nothing */
         }
-        for (int l = 0; l < LANES; l++) total[c + l] = sum[l];
+        store_vec(total + c, sum);
     }
 #undef SEEN
     /* Values in groups of KEY_GROUP too: a row's accumulator is loaded once a group and

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import logging
 import math
+import platform
 from pathlib import Path
 
 import pytest
 import torch
 
+from runner import native
 from runner.attention import cpu_kernel, get_attention_backend
 from runner.config import RunnerConfig
 from tests.helpers import needs_compiler
@@ -24,6 +26,7 @@ from tests.runner.test_attention import (
     make_batch,
     run,
 )
+from tests.runner.test_tree_attention import tree_batch
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -74,6 +77,62 @@ def test_the_row_check_catches_a_kernel_that_reads_its_batch(
 
     monkeypatch.setattr(cpu_paged.CpuPagedAttention, "forward", leaky)
     assert _mismatches(RowProbe(torch.float32, backend="cpu"), trials=20) > 0
+
+
+def _outputs(source: Path, flags: tuple[str, ...]) -> list[torch.Tensor]:
+    """The kernel built from `source` with `flags` (its own library) on float32 and
+    bfloat16 batches of decodes, chunks, prefills, two head layouts, and a drafted
+    tree."""
+    backend = get_attention_backend("cpu")
+    backend._fn = cpu_kernel.bind(  # type: ignore[attr-defined]
+        native.compiled(source, flags)).specbudget_paged_attention
+    outs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for reqs, heads in ((MIXED, (9, 3, 64)), (LONG, (9, 3, 64)), (MIXED, (4, 2, 80))):
+            batch = make_batch(reqs, *heads, 16, dtype)
+            outs.append(backend.forward(batch.query, batch.key, batch.value,
+                                        *batch.clone_caches(), batch.meta, 0.125))
+        tree, _ = tree_batch(21, 4, dtype)
+        outs.append(backend.forward(tree.query, tree.key, tree.value, *tree.clone_caches(),
+                                    tree.meta, 0.125))
+    return outs
+
+
+PORTABLE = (*(f for f in cpu_kernel.FLAGS if f != "-march=native"), "-march=x86-64")
+needs_x86_vectors = pytest.mark.skipif(
+    platform.machine() != "x86_64" or not {"avx2", "fma"} <= set(native.cpu_flags().split()),
+    reason="compares an AVX2 or AVX-512 build with a plain x86-64 one: needs such a CPU")
+
+
+@needs_compiler
+@needs_x86_vectors
+def test_the_vector_build_gives_the_portable_builds_bits() -> None:
+    """The kernel for this CPU (its multiply-adds, broadcasts and selects as AVX2 or
+    AVX-512 instructions, 8 or 16 lanes) against the same source for plain x86-64 (no
+    AVX: fmaf lane by lane): every output bit the same, so a row's bits do not depend on
+    the machine's vectors."""
+    source = cpu_kernel.SOURCE
+    assert all(torch.equal(a, b) for a, b in zip(
+        _outputs(source, cpu_kernel.FLAGS), _outputs(source, PORTABLE), strict=True))
+
+
+@needs_compiler
+@needs_x86_vectors
+def test_the_bit_check_catches_a_vector_multiply_add_that_rounds_twice(
+        tmp_path: Path) -> None:
+    """Broken on purpose: the vector multiply-add as a multiply then an add (two
+    roundings where fmaf has one). The check above must see it."""
+    broken = tmp_path / "cpu_paged.c"
+    text = cpu_kernel.SOURCE.read_text()
+    for width in ("256", "512"):
+        fused = f"_mm{width}_fmadd_ps((__m{width})a, (__m{width})b, (__m{width})c)"
+        assert fused in text
+        text = text.replace(fused, f"_mm{width}_add_ps(_mm{width}_mul_ps((__m{width})a, "
+                                   f"(__m{width})b), (__m{width})c)")
+    broken.write_text(text)
+    assert not all(torch.equal(a, b) for a, b in zip(
+        _outputs(broken, cpu_kernel.FLAGS), _outputs(cpu_kernel.SOURCE, PORTABLE),
+        strict=True))
 
 
 @needs_compiler
