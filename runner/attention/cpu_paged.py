@@ -43,7 +43,7 @@ class CpuPagedAttention(AttentionBackend):
             raise ValueError(f"the cpu attention backend writes keys and values of the "
                              f"caches' dtype ({key_cache.dtype}), got {key.dtype}, "
                              f"{value.dtype}")
-        out = torch.empty((num_tokens, *query.shape[1:]), dtype=query.dtype)
+        out = torch.empty(num_tokens, query.shape[1], query.shape[2], dtype=query.dtype)
         table = meta.block_table
         num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
         if key.shape[1:] != (num_kv_heads, head_dim) or value.shape[1:] != key.shape[1:]:
@@ -82,7 +82,8 @@ def _rows(t: torch.Tensor, num_tokens: int) -> torch.Tensor:
     a copy."""
     if t.shape[0] != num_tokens:
         t = t[:num_tokens]
-    if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+    _, step, one = t.stride()
+    if one != 1 or step != t.shape[2]:
         return t.contiguous()
     return t
 

@@ -9,7 +9,8 @@ per-step state.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.attention import AttentionBackend, AttentionMetadata
-from runner.models.cpu_ops import NormFn, compiled_rope, norm_for, torch_rms_norm
+from runner.models.cpu_ops import norm_for, rope_tables_fit, rope_with_tables, torch_rms_norm
 from runner.models.linear import KernelChoice, LinearKernel, PackedLinear
 
 # Checkpoint entries that carry no weights we need (old HF saves include the RoPE table).
@@ -162,6 +163,11 @@ class Rotary:
 
     cos: torch.Tensor  # [T, 1, D]
     signed_sin: torch.Tensor  # [T, 1, D]: -sin on the first half, sin on the second
+    # whether the compiled call reads the tables: checked once, not in every layer
+    compiled: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compiled", rope_tables_fit(self.cos, self.signed_sin))
 
     @classmethod
     def from_cos_sin(cls, cos: torch.Tensor, sin: torch.Tensor) -> Rotary:
@@ -171,9 +177,10 @@ class Rotary:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] (any heads: q and k together). One compiled call on the CPU
         where it runs (the same bits: runner/models/cpu_ops.py)."""
-        compiled = compiled_rope(x, self.cos, self.signed_sin)
-        if compiled is not None:
-            return compiled
+        if self.compiled:
+            compiled = rope_with_tables(x, self.cos, self.signed_sin)
+            if compiled is not None:
+                return compiled
         half = x.shape[-1] // 2
         swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
         return torch.addcmul(x * self.cos, swapped, self.signed_sin)
@@ -187,15 +194,17 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self._norm: NormFn = torch_rms_norm
+        self._packed: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def pack(self) -> None:
         """Inference only, as the linear layers' `pack`: no gradient flows through the
         compiled norm."""
-        self._norm = norm_for(self.weight)
+        self._packed = norm_for(self.weight.detach(), self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._norm(x, self.weight, self.eps)
+        if self._packed is not None:
+            return self._packed(x)
+        return torch_rms_norm(x, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):

@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from runner.models import cpu_ops
-from runner.models.cpu_ops import compiled_rms_norm, compiled_rope, norm_for, torch_rms_norm
+from runner.models.cpu_ops import (
+    CompiledNorm,
+    compiled_rms_norm,
+    compiled_rope,
+    norm_for,
+    torch_rms_norm,
+)
 from runner.models.llama import RMSNorm, Rotary
 from tests.helpers import needs_compiler
 
@@ -110,14 +116,19 @@ def test_what_it_cannot_read_goes_to_torch() -> None:
 @needs_compiler
 def test_a_packed_norm_runs_compiled_and_still_pickles() -> None:
     norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
-    assert norm._norm is torch_rms_norm  # unpacked: torch's, gradients included
+    assert norm._packed is None  # unpacked: torch's, gradients included
     norm.pack()
-    assert norm._norm is compiled_rms_norm
+    assert isinstance(norm._packed, CompiledNorm)
     x = rows(3, 576, torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(norm(x), compiled_rms_norm(x, norm.weight, 1e-5))
-    assert pickle.loads(pickle.dumps(norm))._norm is compiled_rms_norm
-    assert norm_for(torch.ones(8, dtype=torch.float16)) is torch_rms_norm
+        # what it cannot read (elements spaced) goes to torch
+        spaced = rows(3, 1152, torch.bfloat16)[:, ::2]
+        assert torch.equal(norm(spaced), torch_rms_norm(spaced, norm.weight, 1e-5))
+        unpickled = pickle.loads(pickle.dumps(norm))
+        assert isinstance(unpickled._packed, CompiledNorm)
+        assert torch.equal(unpickled(x), norm(x))
+    assert norm_for(torch.ones(8, dtype=torch.float16), 1e-5) is None
 
 
 def test_without_a_compiler_the_packed_norm_is_torchs(monkeypatch: pytest.MonkeyPatch,
@@ -130,7 +141,7 @@ def test_without_a_compiler_the_packed_norm_is_torchs(monkeypatch: pytest.Monkey
         assert lib is None and "no C compiler 'no-such-compiler-here'" in why
         norm = RMSNorm(16, 1e-5)
         norm.pack()
-        assert norm._norm is torch_rms_norm
+        assert norm._packed is None
         x = rows(2, 16, torch.float32)
         assert torch.equal(compiled_rms_norm(x, norm.weight, 1e-5),
                            F.rms_norm(x, (16,), norm.weight, 1e-5))
@@ -162,6 +173,7 @@ def test_the_rotation_is_torchs_bit_for_bit(dtype: torch.dtype, tokens: int) -> 
     x, rot = qkv[:, :12], rotary(tokens, 64, dtype)
     got = compiled_rope(x, rot.cos, rot.signed_sin)
     assert got is not None and got.is_contiguous()
+    assert rot.compiled  # its tables checked once: each layer's call checks x alone
     assert torch.equal(got, torch_rotation(rot, x))
     assert torch.equal(rot(x), got)
     # The comparison sees a wrong sign: sin where the first half wants -sin.
@@ -179,6 +191,7 @@ def test_a_rotation_it_cannot_run_is_left_to_torch() -> None:
     assert compiled_rope(strided, rot.cos, rot.signed_sin) is None
     assert torch.equal(rot(strided), torch_rotation(rot, strided))
     long_chunk = rotary(cpu_ops.ROPE_MAX_TOKENS + 1, 8, torch.float32)
+    assert rot.compiled and not long_chunk.compiled and not rot16.compiled
     chunk_rows = rows(cpu_ops.ROPE_MAX_TOKENS + 1, 16, torch.float32).view(-1, 2, 8)
     assert compiled_rope(chunk_rows, long_chunk.cos, long_chunk.signed_sin) is None
     wanting = rows(3, 16, torch.float32).view(3, 2, 8).requires_grad_()
