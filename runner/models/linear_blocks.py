@@ -110,12 +110,18 @@ def _lanes(array: np.ndarray) -> np.ndarray:
 
 
 def pack_codes(blocks: Blocks) -> np.ndarray:
-    """The codes as gemv_blocks.c reads them: 8-bit [N / 16, K, 16]; 4-bit [N / 16, K, 8],
-    byte j holding output j in its low nibble and output j + 8 in its high one."""
+    """The codes as gemv_blocks.c reads them: 8-bit [N / 16, K, 16] bytes; 4-bit
+    [N / 16, K / 8, 16] 32-bit words, word l holding output l's codes for 8 inputs in a
+    row, the first in its lowest nibble."""
     lanes = _lanes(blocks.codes)
     if blocks.bits == 8:
         return lanes.view(np.uint8)
-    return (lanes[..., :8] | (lanes[..., 8:] << 4)).astype(np.uint8)
+    blocks_n, k, _ = lanes.shape
+    nibbles = lanes.reshape(blocks_n, k // 8, 8, LANES).transpose(0, 1, 3, 2).astype(np.uint32)
+    words = np.zeros((blocks_n, k // 8, LANES), np.uint32)
+    for i in range(8):
+        words |= nibbles[..., i] << (4 * i)
+    return words.view(np.uint8)
 
 
 @dataclass(frozen=True)
@@ -169,7 +175,7 @@ class _BlocksPacked(PackedLinear):
         return self._run(torch.eye(self.in_features), None, bias=False).T.contiguous()
 
     def _fits(self, x: torch.Tensor) -> bool:
-        return (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
+        return (x.dim() == 2 and x.dtype is torch.float32 and x.is_cpu
                 and x.shape[1] == self.in_features)
 
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None,
