@@ -1,6 +1,8 @@
 """The engine at one request, this checkout against an earlier revision: output tok/s
 with speculation off and with each named method (fixed K; a head method needs its
-trained head in the model cache, which both sides then share), on held-out
+trained head in the model cache, which both sides then share, or `--random-heads`: an
+untrained head on both sides, every step drafting K and keeping one token, so the
+ratio to off is what a step of drafting and verifying costs), on held-out
 instructions, greedy.
 
 Each (side, method) runs in its own process, the side's packages first on the path
@@ -12,7 +14,7 @@ spread beside them. Also: whether each side's speculative outputs equal its own
 speculation off (lossless on both).
 
     python benchmarks/decode_ab.py --base REV [--methods off,eagle] [--rounds 3]
-        [--prompts 6] [--max-tokens 64] [--quick] [--out PATH]
+        [--prompts 6] [--max-tokens 64] [--random-heads] [--quick] [--out PATH]
 """
 
 from __future__ import annotations
@@ -40,10 +42,13 @@ sys.path.insert(0, '.')
 import engine
 from engine.llm import LLM
 from scheduler import SamplingParams
+from spec_decode.methods import get_method
 from training.prompts import instructions
 method, num, max_tokens, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 spec = None if method == 'off' else {'method': method, 'num_speculative_tokens': k,
                                      'draft_policy': 'fixed'}
+if spec and sys.argv[5] == 'random' and get_method(method).drafter == 'head':
+    spec['model'] = 'random'  # an untrained head: every step drafts, none accepted
 llm = LLM(speculative_config=spec, max_num_seqs=1, max_num_batched_tokens=256,
           max_model_len=1024)
 llm.generate(['Hello'], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -59,10 +64,11 @@ print(json.dumps({'tokens_per_s': sum(map(len, tokens)) / took, 'tokens': tokens
 """
 
 
-def measure(tree: Path, method: str, prompts: int, max_tokens: int, k: int
-            ) -> dict[str, Any]:
+def measure(tree: Path, method: str, prompts: int, max_tokens: int, k: int,
+            random_heads: bool = False) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, "-c", _MEASURE, method, str(prompts),
-                           str(max_tokens), str(k)], cwd=tree, capture_output=True, text=True)
+                           str(max_tokens), str(k), "random" if random_heads else "trained"],
+                          cwd=tree, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{method} in {tree} failed ({proc.returncode}):\n"
                            f"{proc.stderr[-3000:]}")
@@ -80,6 +86,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--random-heads", action="store_true",
+                        help="head methods with an untrained head on both sides")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.prompts, args.max_tokens = 1, 1, 4
@@ -92,11 +100,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for side in sides:
                 for method in methods:
                     runs[side].setdefault(method, []).append(
-                        measure(trees[side], method, args.prompts, args.max_tokens, args.k))
+                        measure(trees[side], method, args.prompts, args.max_tokens, args.k,
+                                args.random_heads))
     report = {"benchmark": "decode_ab", "quick": args.quick, "base": args.base,
               "head": _rev("HEAD"), "base_commit": _rev(args.base), "rounds": args.rounds,
               "prompts": args.prompts, "max_tokens": args.max_tokens, "k": args.k,
-              "concurrency": 1, "results": summarise(runs, methods)}
+              "random_heads": args.random_heads, "concurrency": 1,
+              "results": summarise(runs, methods)}
     write_report(out_path(args, DEFAULT_OUT), report)
     print(json.dumps(report, indent=1))
     return report

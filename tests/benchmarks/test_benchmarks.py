@@ -596,14 +596,17 @@ def test_norm_kernel_quick(tmp_path: Path) -> None:
 @pytest.mark.model
 def test_decode_ab_quick_against_head(tmp_path: Path) -> None:
     """Both sides run (HEAD in a worktree against this checkout), each in its own
-    process importing its own tree, and report tok/s and losslessness per side."""
+    process importing its own tree, and report tok/s and losslessness per side; a head
+    method with `--random-heads` runs an untrained head (no trained one in CI's cache)."""
     from benchmarks import decode_ab
 
-    report = decode_ab.main(["--quick", "--base", "HEAD", "--methods", "off,ngram",
-                             "--out", str(tmp_path / "d.json")])
-    row = report["results"]["ngram"]
-    assert row["base"]["equal_to_off"] and row["head"]["equal_to_off"]
-    assert all(x > 0 for side in ("base", "head") for x in row[side]["tokens_per_s"])
+    report = decode_ab.main(["--quick", "--base", "HEAD", "--methods", "off,ngram,eagle",
+                             "--random-heads", "--out", str(tmp_path / "d.json")])
+    assert report["random_heads"]
+    for method in ("ngram", "eagle"):
+        row = report["results"][method]
+        assert row["base"]["equal_to_off"] and row["head"]["equal_to_off"]
+        assert all(x > 0 for side in ("base", "head") for x in row[side]["tokens_per_s"])
     assert report["base_commit"] == report["head"]  # HEAD is the checkout's commit
 
 
