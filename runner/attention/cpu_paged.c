@@ -119,8 +119,9 @@ static inline vec select_vec(ivec mask, vec a, vec b) {
     return (vec)(((ivec)a & mask) | ((ivec)b & ~mask));
 }
 
-/* exp_nonpositive (exp_nonpositive.h) on every lane: the same operations in the same
- * order, so each lane's bits are the scalar function's. */
+/* exp_nonpositive (exp_nonpositive.h) on every lane, written out with its operations in
+ * the same order (only IEEE basic operations and fused multiply-adds, so a lane's bits
+ * are the same in this build and the portable one: test_cpu_attention.py). */
 static inline vec exp_nonpositive_vec(vec x) {
     const vec lo = splat(-87.0f);
     x = select_vec(x > lo, x, lo);
