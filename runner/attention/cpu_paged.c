@@ -55,7 +55,7 @@
  * bfloat16, 9 query heads on 3 KV heads, 300 keys, 2 threads: one request of 9 rows
  * 109 -> 94 us, of 13 rows 157 -> 142 us, of 5 rows or fewer unchanged; cut alike, 4 or
  * 16 requests of 9 rows ran 8-12 % slower, so they are not. With AVX2's 8 lanes, tiles
- * of 32 query columns (10 rows) beat 16 (float32, 300 keys: 13 rows 250 against 303 us,
+ * of 32 query columns (10 rows) beat 16 (float32, 256 keys: 13 rows 250 against 303 us,
  * 5 and 17 rows alike). A row's arithmetic is the same in any tile. */
 static inline int32_t tile_rows(int32_t rows, int group, int few_items) {
     const int32_t fill = group < FILL_QUERIES ? FILL_QUERIES / group : 1;
