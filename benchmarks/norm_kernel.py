@@ -29,7 +29,7 @@ from engine.llm import LLM  # noqa: E402
 from engine.stepwise import run_side_by_side  # noqa: E402
 from runner.drafter import find_trained_head  # noqa: E402
 from runner.model_prep import resolve_model  # noqa: E402
-from runner.models.cpu_ops import compiled_rms_norm, load, torch_rms_norm  # noqa: E402
+from runner.models.cpu_ops import load  # noqa: E402
 from runner.models.llama import RMSNorm  # noqa: E402
 from scheduler import SamplingParams  # noqa: E402
 from training.prompts import instructions  # noqa: E402
@@ -37,16 +37,27 @@ from training.prompts import instructions  # noqa: E402
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "norm_kernel.json"
 
 
+def _norms(llm: LLM) -> list[RMSNorm]:
+    runner = llm.engine.runner
+    nets = [runner.model, getattr(getattr(runner.spec, "drafter", None), "net", None)]
+    return [m for net in nets if net is not None for m in net.modules()
+            if isinstance(m, RMSNorm)]
+
+
+def norm_kinds(llm: LLM) -> list[str]:
+    """What the engine's norms run: "CompiledNorm" (packed) or "torch" (unpacked)."""
+    return sorted({type(n._packed).__name__ if n._packed is not None else "torch"
+                   for n in _norms(llm)})
+
+
 def _engine(spec: dict[str, Any] | None, compiled: bool) -> LLM:
     """An engine on its own copy of the default model, its norms compiled or torch's."""
     llm = LLM(speculative_config=spec, max_num_seqs=1,
               max_num_batched_tokens=256, max_model_len=1024)
-    runner = llm.engine.runner
-    nets = [runner.model, getattr(getattr(runner.spec, "drafter", None), "net", None)]
-    norms = [m for net in nets if net is not None for m in net.modules()
-             if isinstance(m, RMSNorm)]
-    for norm in norms:
-        norm._norm = compiled_rms_norm if compiled else torch_rms_norm
+    for norm in _norms(llm):
+        norm.pack()
+        if not compiled:
+            norm._packed = None  # torch's F.rms_norm, as an unpacked RMSNorm runs
     llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     return llm
 
@@ -67,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           "draft_policy": "fixed"}
     configs = [(name, compiled) for name in specs for compiled in (True, False)]
     engines = [_engine(specs[name], compiled) for name, compiled in configs]
+    kinds = [norm_kinds(llm) for llm in engines]
     try:
         prompts = [engines[0].tokenizer.apply_chat_template([{"role": "user", "content": p}])
                    for p in instructions("eval")[:args.prompts]]
@@ -80,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for i, (name, compiled) in enumerate(configs):
         rows.setdefault(name, {})["compiled" if compiled else "torch"] = {
             "tokens_per_s": round(sum(map(len, tokens[i])) / seconds[i], 2),
-            "output_tokens": sum(map(len, tokens[i]))}
+            "output_tokens": sum(map(len, tokens[i])), "norms": kinds[i]}
     for i in range(0, len(configs), 2):
         row = rows[configs[i][0]]
         row["compiled_over_torch"] = round(row["compiled"]["tokens_per_s"]

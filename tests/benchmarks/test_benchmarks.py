@@ -585,6 +585,10 @@ def test_norm_kernel_quick(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "n.json").read_text()) == report
     for name, row in report["results"].items():
         assert row["compiled"]["tokens_per_s"] > 0 and row["torch"]["tokens_per_s"] > 0
+        # each side really ran its norm (a switch the model no longer reads would time
+        # the same norm twice)
+        assert row["compiled"]["norms"] == ["CompiledNorm"]
+        assert row["torch"]["norms"] == ["torch"]
         against = row["against_torch"]
         assert against["requests"] == report["prompts"]
         assert against["equal"] + len(against["divergences"]) == against["requests"]
