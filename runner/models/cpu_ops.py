@@ -60,19 +60,9 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 def compiled_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """`torch_rms_norm` through the compiled call, where the library is built and the
     tensors are ones it reads (CPU, float32 or bfloat16 alike, rows of contiguous
-    elements); else torch's."""
-    lib = load()[0]
-    n = x.shape[-1]
-    code = DTYPES.get(x.dtype)
-    if (lib is None or code is None or w.dtype != x.dtype or x.device.type != "cpu"
-            or w.device.type != "cpu" or x.stride(-1) != 1 or w.shape != (n,)
-            or not w.is_contiguous()):
-        return torch_rms_norm(x, w, eps)
-    rows = x.reshape(-1, n)  # a view where x's rows are evenly spaced, else a copy
-    out = torch.empty(*x.shape, dtype=x.dtype)
-    lib.specbudget_rms_norm(code, rows.data_ptr(), rows.stride(0), w.data_ptr(),
-                            out.data_ptr(), rows.shape[0], n, eps)
-    return out
+    elements); else torch's. `CompiledNorm` made for this one call."""
+    packed = norm_for(w, eps)
+    return packed(x) if packed is not None else torch_rms_norm(x, w, eps)
 
 
 class CompiledNorm:
@@ -90,7 +80,7 @@ class CompiledNorm:
         if (lib is None or x.dtype is not self.dtype or not x.is_cpu or x.shape[-1] != n
                 or x.stride(-1) != 1):
             return torch_rms_norm(x, self.weight, self.eps)
-        rows = x.reshape(-1, n)
+        rows = x.reshape(-1, n)  # a view where x's rows are evenly spaced, else a copy
         out = torch.empty(*x.shape, dtype=x.dtype)
         lib.specbudget_rms_norm(self.code, rows.data_ptr(), rows.stride(0),
                                 self.weight.data_ptr(), out.data_ptr(), rows.shape[0], n,
