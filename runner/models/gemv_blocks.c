@@ -23,7 +23,13 @@
 
 #define LANES 16  /* outputs a block: two registers of eight floats */
 #define GROUP 32  /* inputs sharing a scale (and a minimum) */
-#define CHUNK 64  /* inputs a wide call rebuilds at a time (4 KB, in L1) */
+#define CHUNK 64  /* inputs a wide call rebuilds at once: K is a multiple */
+/* Inputs a row group's sums run over between loading and storing them (the block's
+ * rebuilt weights for them: 16 KB, in L1 beside the rows' inputs). At 64, a group's
+ * 12 sums were loaded and stored every 64 FMAs a register, and 128 rows ran 1.4x slower
+ * (AVX2 EPYC, 2 threads, same run: 576 x 1536, 95 -> 133 GFLOP/s; 16 rows 104 -> 118;
+ * 128 and 384 within noise of 256, 512 slower). */
+#define SPAN 256
 #define TILE 6    /* rows x blocks whose sums are held at once (12 of 16 registers) */
 /* Rows a fused call takes: at 6 its sums, rebuilt weights and scales need more than the
  * 16 registers, and the wide path ran 6 rows in 0.75x the time (AVX2 EPYC, 2 threads,
@@ -32,19 +38,19 @@
 #define FUSED_BLOCKS_1 2  /* blocks a one-row call takes at once: four FMA chains */
 #define AHEAD 2   /* groups fetched ahead of use */
 
-/* R_ rows times one rebuilt block (`w`: [CHUNK][16]) over one chunk, the sums carried in
- * `acc` ([R_][16]; zero before the first chunk). R_ is a constant at each call (`tile`
+/* R_ rows times one rebuilt block (`w`: [len][16]) over `len` inputs, the sums carried in
+ * `acc` ([R_][16]; zero before the first span). R_ is a constant at each call (`tile`
  * below) so that the compiler holds every sum in a register; an output's sum is the
  * same sequence of FMAs as `fused_rows`'. */
 static inline __attribute__((always_inline)) void tile_rows(
-        const int R_, const float *w, const float *x, int64_t xs, float *acc) {
+        const int R_, const float *w, const float *x, int64_t xs, float *acc, int len) {
     __m256 lo_acc[TILE], hi_acc[TILE];
 #pragma GCC unroll 8
     for (int r = 0; r < R_; r++) {
         lo_acc[r] = _mm256_load_ps(acc + r * LANES);
         hi_acc[r] = _mm256_load_ps(acc + r * LANES + 8);
     }
-    for (int k = 0; k < CHUNK; k++) {
+    for (int k = 0; k < len; k++) {
         const __m256 lo = _mm256_load_ps(w + (int64_t)k * LANES);
         const __m256 hi = _mm256_load_ps(w + (int64_t)k * LANES + 8);
 #pragma GCC unroll 8
@@ -62,8 +68,8 @@ static inline __attribute__((always_inline)) void tile_rows(
 }
 
 /* `tile_rows` for one block and 1 to 6 rows, each count its own copy. */
-static void tile(int rows, const float *w, const float *x, int64_t xs, float *acc) {
-#define CASE(R) if (rows == R) { tile_rows(R, w, x, xs, acc); return; }
+static void tile(int rows, const float *w, const float *x, int64_t xs, float *acc, int len) {
+#define CASE(R) if (rows == R) { tile_rows(R, w, x, xs, acc, len); return; }
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
 #undef CASE
 }
@@ -261,15 +267,17 @@ static float *scratch_for(int64_t need) {
     return scratch;
 }
 
-/* Output block nb for a call of more than FUSED_ROWS rows: chunk by chunk, the block's
- * weights rebuilt once and every row group's tile run over them. */
+/* Output block nb for a call of more than FUSED_ROWS rows: span by span, the block's
+ * weights rebuilt once (a chunk at a time) and every row group's tile run over them. */
 static void wide_block(int bits, const uint8_t *codes, const uint16_t *d, const uint16_t *m,
                        const float *x, int64_t xs, int M, int K, int N, int nb, float *w,
                        float *acc, float *y, int64_t ys, const float *res, int64_t rs,
                        const float *bias) {
     for (int64_t i = 0; i < (int64_t)M * LANES; i++) acc[i] = 0.0f;
-    for (int k0 = 0; k0 < K; k0 += CHUNK) {
-        rebuild(bits, codes, d, m, K, nb, k0, w);
+    for (int k0 = 0; k0 < K; k0 += SPAN) {
+        const int len = K - k0 < SPAN ? K - k0 : SPAN;
+        for (int c = 0; c < len; c += CHUNK)
+            rebuild(bits, codes, d, m, K, nb, k0 + c, w + (int64_t)c * LANES);
         /* Row groups as even as TILE allows (13 rows as 5 + 4 + 4, not 6 + 6 + 1): a group
          * of one or two rows has too few FMA chains to hide their latency. The float32
          * forward after 256 tokens, both kernels alternated in one process: 10 rows 41.0
@@ -278,7 +286,7 @@ static void wide_block(int bits, const uint8_t *codes, const uint16_t *d, const 
         for (int r0 = 0, t = 0; r0 < M; t++) {
             const int groups = (M + TILE - 1) / TILE - t, left = M - r0;
             const int rows = (left + groups - 1) / groups;
-            tile(rows, w, x + r0 * xs + k0, xs, acc + (int64_t)r0 * LANES);
+            tile(rows, w, x + r0 * xs + k0, xs, acc + (int64_t)r0 * LANES, len);
             r0 += rows;
         }
     }
@@ -308,10 +316,10 @@ int specbudget_gemv_blocks(int bits, const uint8_t *codes, const uint16_t *d,
                 finish(acc, M, B, N, run * B, y, ys, res, rs, bias);
             }
         } else {
-            float *w = lo < hi ? scratch_for((int64_t)(CHUNK + M) * LANES) : NULL;
+            float *w = lo < hi ? scratch_for((int64_t)(SPAN + M) * LANES) : NULL;
             if (lo < hi && !w) failed = 1;
             for (int nb = lo; w && nb < hi; nb++)
-                wide_block(bits, codes, d, m, x, xs, M, K, N, nb, w, w + CHUNK * LANES, y, ys,
+                wide_block(bits, codes, d, m, x, xs, M, K, N, nb, w, w + SPAN * LANES, y, ys,
                            res, rs, bias);
         }
     }
