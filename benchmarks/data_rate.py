@@ -43,13 +43,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from engine.llm import LLM
     from runner.config import RunnerConfig
     from runner.eagle3 import Eagle3Config
     from runner.model_loader import load_model
     from runner.model_prep import resolve_model
     from runner.models.kernel_select import fastest_linear_kernel, select_linear_kernel
     from training.generate import generate_windows
+    from training.pipeline import data_llm
     from training.prompts import first_turns
 
     config = RunnerConfig()
@@ -66,9 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     for kernel_name, choice in kernels.items():
         for backend in args.backends.split(","):
             name = backend if kernel_name == "fastest" else f"{backend}/{kernel_name}"
-            llm = LLM(loaded_model=model, max_model_len=512, max_num_seqs=args.batch,
-                      max_num_batched_tokens=2048, enable_prefix_caching=False,
-                      attention_backend=backend)
+            llm = data_llm(model, args.batch, attention_backend=backend)  # the command's
             model.pack(choice)  # the engines share the model: packed again per run
             generate_windows(llm, conversations[:2], WINDOW, aux_ids)  # warm-up
             engines[name], packs[name] = llm, choice

@@ -13,6 +13,7 @@ from scheduler import SamplingParams
 from tests.server_helpers import default_model
 from training.features import greedy_labels, target_features
 from training.generate import IGNORE, answer_window, generate_windows
+from training.pipeline import DATA_MAX_MODEL_LEN, WINDOW, data_llm
 from training.prompts import (
     TEMPLATES,
     TOPICS,
@@ -84,6 +85,32 @@ def test_generated_windows_label_the_answer_only() -> None:
         # the first answer token, the last token but one the last.
         assert windows.labels[i][labelled].tolist() == answer
         assert int(labelled.nonzero()[0]) == 32 // 4 - 1
+
+
+@pytest.mark.model
+def test_the_data_engine_preempts_no_request_at_its_longest_context() -> None:
+    """`data_llm` holds every request of its batch at the longest context it allows:
+    four conversations that nearly fill it decode their whole answers with no
+    preemption (a preempted request would run its positions again). The same four in
+    a pool that holds their prompts and two blocks more are preempted, so the count
+    can fail."""
+    model = default_model()
+    aux_ids = default_aux_layers(model.config.num_hidden_layers)
+    long_turns = [[{"role": "user", "content": f"{p} " + "Note it. " * 120}] for p in
+                  PROMPTS * 2]
+
+    def preemptions(llm: LLM) -> int:
+        generate_windows(llm, long_turns, WINDOW, aux_ids)
+        return llm.get_metrics()["num_preemptions"]
+
+    llm = data_llm(model, 4)
+    assert llm.config.max_model_len == DATA_MAX_MODEL_LEN
+    assert preemptions(llm) == 0
+    block = llm.config.block_size
+    tok = llm.tokenizer
+    prompts = [-(-len(tok.encode(tok.apply_chat_template(turn))) // block) for turn in long_turns]
+    assert sum(prompts) > 4 * DATA_MAX_MODEL_LEN // block // 2  # the pool at least half full
+    assert preemptions(data_llm(model, 4, num_kv_blocks=sum(prompts) + 2)) > 0
 
 
 @pytest.mark.model
