@@ -3,6 +3,7 @@ from them, the training instructions, and the soft-target loss."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -138,6 +139,28 @@ def test_an_answer_window_keeps_a_quarter_window_of_prompt() -> None:
     short = answer_window(full[:15], 12, got, 16, pad=0)  # answer of 3, padded
     assert short.labels[0].tolist() == [IGNORE] * 3 + full[12:15] + [IGNORE] * 10
     assert short.tokens[0, 7:].tolist() == [0] * 9
+
+
+def test_a_captured_step_is_kept_until_every_request_in_it_is_taken() -> None:
+    """A step's rows are one tensor shared by its requests: each request gets its own
+    rows back, and the step is let go once none of them is still held (taken or
+    discarded), not before."""
+    capture = FeatureCapture((1,), dtype=torch.float32)
+    rows = torch.arange(12.0).reshape(6, 2)
+    capture.record(["a", "b", "c"], np.array([0, 0, 0]), np.array([2, 1, 1]), rows[:5],
+                   rows[:5] * 10)  # a fifth row: another request's padding, never kept
+    capture.record(["a"], np.array([2]), np.array([1]), rows[5:], rows[5:] * 10)
+    assert capture.held_steps() == 2
+    a = capture.take("a")
+    assert a.aux.tolist() == [[0, 1], [2, 3], [10, 11]]
+    assert torch.equal(a.final, a.aux * 10)
+    assert capture.held_steps() == 1  # a's second step is gone; b and c hold the first
+    assert capture.take("b").aux.tolist() == [[4, 5]]
+    assert capture.held_steps() == 1
+    capture.discard("c")
+    assert capture.held_steps() == 0
+    with pytest.raises(KeyError):
+        capture.take("c")
 
 
 def test_a_capture_with_a_gap_is_refused() -> None:
