@@ -486,6 +486,40 @@ def test_request_spread_tells_alike_requests_from_spread_ones() -> None:
     assert apart["dispersion"] > 10 * alike["dispersion"]
 
 
+@needs_compiler
+def test_block_kernel_quick_keeps_bits_and_catches_a_build_that_does_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HEAD's kernel against this checkout's: every case timed on both builds and every
+    output the same bits. A base whose wide path moves each input by 2^-20 of itself
+    (gcc contracts a multiply then an add back into the FMA, so that twin would not
+    differ) gives other bits at 6 and 16 rows, and the report says so."""
+    from benchmarks import block_kernel
+    from runner.models import linear_blocks
+
+    if not linear_blocks.available():
+        pytest.skip(f"no GGUF-block kernel here: {linear_blocks.load()[1]}")
+    report = block_kernel.main(["--quick", "--out", str(tmp_path / "b.json")])
+    assert json.loads((tmp_path / "b.json").read_text()) == report
+    assert {c["rows"] for c in report["cases"]} == {1, 6, 16}
+    assert all(c["base_ms"] > 0 and c["head_ms"] > 0 for c in report["cases"])
+    assert report["all_same_bits"]
+
+    fma = "lo_acc[r] = _mm256_fmadd_ps(lo, xv, lo_acc[r]);"
+    source = linear_blocks.SOURCE.read_text()
+    assert fma in source
+
+    def drifting(_rev: str, into: Path) -> Path:
+        path = into / linear_blocks.SOURCE.name
+        path.write_text(source.replace(fma, "lo_acc[r] = _mm256_fmadd_ps(lo, _mm256_mul_ps("
+                                            "xv, _mm256_set1_ps(1.0f + 0x1p-20f)), lo_acc[r]);"))
+        return path
+
+    monkeypatch.setattr(block_kernel, "base_source", drifting)
+    broken = block_kernel.main(["--quick", "--out", str(tmp_path / "c.json")])
+    assert not broken["all_same_bits"]
+    assert {c["rows"] for c in broken["cases"] if not c["same_bits"]} == {6, 16}
+
+
 @pytest.mark.model
 @needs_compiler
 def test_data_rate_quick(tmp_path: Path) -> None:
