@@ -44,10 +44,11 @@ class FeatureCapture:
             raise ValueError("aux_layer_ids must name at least one target layer")
         self.aux_layer_ids = aux_layer_ids
         self.dtype = dtype
-        # Each step's rows (None once every request's share is taken or discarded),
-        # and how many of them are still held.
-        self._steps: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-        self._held: list[int] = []
+        # Each step's rows, by step number, and how many of them are still held: a
+        # step is dropped from both once every request's share is taken or discarded.
+        self._steps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._held: dict[int, int] = {}
+        self._next_step = 0
         # Per request: (first position, step, its first row in the step, rows).
         self._pieces: dict[str, list[tuple[int, int, int, int]]] = {}
 
@@ -55,9 +56,10 @@ class FeatureCapture:
                aux: torch.Tensor, final: torch.Tensor) -> None:
         """One step's rows: request i ran `counts[i]` positions from `starts[i]`, its
         rows consecutive in `aux` and `final` in request order."""
-        step, rows = len(self._steps), int(counts.sum())
-        self._steps.append((aux[:rows].to("cpu", self.dtype), final[:rows].to("cpu", self.dtype)))
-        self._held.append(rows)
+        step, rows = self._next_step, int(counts.sum())
+        self._next_step += 1
+        self._steps[step] = (aux[:rows].to("cpu", self.dtype), final[:rows].to("cpu", self.dtype))
+        self._held[step] = rows
         offset = 0
         for req_id, start, count in zip(req_ids, starts.tolist(), counts.tolist(),
                                         strict=True):
@@ -67,7 +69,7 @@ class FeatureCapture:
     def _release(self, step: int, rows: int) -> None:
         self._held[step] -= rows
         if self._held[step] == 0:
-            self._steps[step] = None
+            del self._steps[step], self._held[step]
 
     def take(self, req_id: str) -> CapturedFeatures:
         """A request's features, forgotten here. Raises KeyError if none were kept; a
@@ -75,14 +77,12 @@ class FeatureCapture:
         computation of each position."""
         pieces = self._pieces.pop(req_id)
         length = max(start + count for start, _, _, count in pieces)
-        first = self._steps[pieces[0][1]]
-        assert first is not None  # held until this request's rows are taken
+        first = self._steps[pieces[0][1]]  # held until this request's rows are taken
         aux = torch.empty((length, first[0].shape[1]), dtype=self.dtype)
         final = torch.empty((length, first[1].shape[1]), dtype=self.dtype)
         seen = torch.zeros(length, dtype=torch.bool)
         for start, step, offset, count in pieces:
             rows = self._steps[step]
-            assert rows is not None
             aux[start:start + count] = rows[0][offset:offset + count]
             final[start:start + count] = rows[1][offset:offset + count]
             seen[start:start + count] = True
@@ -99,4 +99,4 @@ class FeatureCapture:
 
     def held_steps(self) -> int:
         """Steps whose rows are still kept (some request has not been taken)."""
-        return sum(rows is not None for rows in self._steps)
+        return len(self._steps)
