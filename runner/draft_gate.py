@@ -11,10 +11,13 @@ construction: only which drafts are proposed changes, never how they are verifie
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
 import torch
+
+from spec_decode import SpeculativeConfig
 
 # Measured (`python benchmarks/draft_confidence.py --thresholds 0,0.1,0.2,0.25,0.3,0.4`,
 # eagle's trained head, 24 held-out prompts, K = 4, side by side with speculation off
@@ -63,37 +66,61 @@ def min_draft_confidence(options: dict[str, Any], sequential: bool, trained: boo
     return TRAINED_HEAD_TREE_MIN_CONFIDENCE if tree else TRAINED_HEAD_MIN_CONFIDENCE
 
 
+def gate_priced(spec: SpeculativeConfig, trained: bool, tree: bool) -> bool:
+    """Whether a drafter's gate follows the scheduler's price of a draft
+    (runner/draft_calibration.py) on the steps that price one: a trained head's chains
+    under the goodput policy, where `min_draft_confidence` is not given. The best
+    fixed threshold moved with the machine (0.2-0.3 on the 2-core Intel AMX machine,
+    0.7-0.85 on the AVX2 EPYC, README), with what a drafter pass and a verified row
+    cost of a step; the goodput policy's step-time model prices exactly that."""
+    return (trained and not tree and spec.spec_method.sequential
+            and spec.draft_policy == "goodput"
+            and spec.options.get("min_draft_confidence") is None)
+
+
 class ConfidenceGate:
     """One step's chains: each request's product of its drafts' probabilities so far,
-    and which requests still draft. With a threshold of 0 it computes no probability
-    (a log-sum-exp over the draft vocabulary a draft: ~70 us on the CPU)."""
+    and which requests still draft: those whose product is at least `threshold`, or
+    where `priced` is given, those it lets go on (runner/draft_calibration.py). With
+    neither above 0 nor `record`, it computes no probability (a log-sum-exp over the
+    draft vocabulary a draft: ~70 us on the CPU); `record` keeps each chain's
+    products (`products`)."""
 
-    def __init__(self, threshold: float) -> None:
+    def __init__(self, threshold: float, record: bool = False,
+                 priced: Callable[[np.ndarray, int], np.ndarray] | None = None) -> None:
         self.threshold = threshold
+        self.priced = priced
+        self.record = record or priced is not None
         self._sure: dict[int, float] = {}
+        self.products: dict[int, list[float]] = {}  # request -> c_1, c_2, ... (`record`)
 
     def drafts(self, net: ConfidentNet, hidden: torch.Tensor, reqs: list[int],
                widths: list[int] | None = None) -> list[list[int]]:
         """The candidates read out of `hidden` (row i a depth of request `reqs[i]`): the
         greedy draft, then `widths[i]` - 1 more (a tree's leaves; None: none); each
         request's product of its greedy drafts' probabilities updated."""
+        weighs = self.threshold > 0.0 or self.record
         if widths is not None and max(widths, default=1) > 1:
             ids, probs = net.top_drafts(hidden, max(widths))
             candidates = [row[:width] for row, width in zip(ids.tolist(), widths, strict=True)]
-        elif self.threshold <= 0.0:
+        elif not weighs:
             return [[t] for t in net.greedy_tokens(hidden).tolist()]
         else:
             greedy, probs = net.drafts_with_confidence(hidden)
             candidates = [[t] for t in greedy.tolist()]
-        if self.threshold > 0.0:
+        if weighs:
             for req, prob in zip(reqs, probs.tolist(), strict=True):
-                self._sure[req] = self._sure.get(req, 1.0) * prob
+                sure = self._sure[req] = self._sure.get(req, 1.0) * prob
+                if self.record:
+                    self.products.setdefault(req, []).append(sure)
         return candidates
 
-    def still_drafting(self, reqs: np.ndarray) -> np.ndarray:
-        """Those of `reqs` whose chain goes on: its product at least the threshold."""
-        if self.threshold <= 0.0 or not len(reqs):
+    def still_drafting(self, reqs: np.ndarray, depth: int = 1) -> np.ndarray:
+        """Those of `reqs`, each with `depth` drafts so far, whose chain goes on."""
+        if not len(reqs) or (self.priced is None and self.threshold <= 0.0):
             return reqs
-        keep = np.fromiter((self._sure.get(int(r), 1.0) >= self.threshold for r in reqs),
-                           dtype=bool, count=len(reqs))
-        return reqs[keep]
+        sure = np.fromiter((self._sure.get(int(r), 1.0) for r in reqs), dtype=float,
+                           count=len(reqs))
+        if self.priced is not None:
+            return reqs[self.priced(sure, depth)]
+        return reqs[sure >= self.threshold]

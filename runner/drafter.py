@@ -20,6 +20,7 @@ import torch
 from runner.attention import AttentionBackend, AttentionMetadata
 from runner.buffers import StepBuffers
 from runner.config import kv_bytes_per_block
+from runner.draft_calibration import DraftCalibration
 from runner.draft_gate import ConfidenceGate
 from runner.draft_models import DraftLM, KVCache
 from runner.eagle3 import Eagle3Config, Eagle3Head, load_eagle3, trained_head_dir
@@ -166,10 +167,13 @@ class ModelDrafter:
     def __init__(self, spec: SpeculativeConfig, net: DraftNet, target: LlamaForCausalLM,
                  buffers: StepBuffers, states: RequestStates, block_size: int,
                  attn: AttentionBackend, max_num_batched_tokens: int,
-                 min_confidence: float = 0.0) -> None:
+                 min_confidence: float = 0.0, priced: bool = False) -> None:
         self.method = spec.spec_method
-        # Where a chain stops short of its k (runner/draft_gate.py); 0: never.
+        # Where a chain stops short of its k (runner/draft_gate.py); 0: never. Where
+        # `priced`, on steps the scheduler prices a draft, by what its next draft is
+        # learnt to gain instead (runner/draft_calibration.py).
         self.min_confidence = min_confidence
+        self.calibration = DraftCalibration() if priced else None
         # Candidates per depth (a drafted tree: runner/draft_tree.py).
         self.shape = spec.tree_shape
         self.parks = spec.parks
@@ -194,6 +198,8 @@ class ModelDrafter:
         draft LM or a head that came without it. Its chains' reach only where it was
         measured with the gate this drafter serves with (another threshold stops other
         chains)."""
+        # A priced gate keeps the default threshold's reach as its prior: nearer what
+        # its chains reach than every chain drawn whole (the policy learns the rest).
         measured: MeasuredAcceptance | None = getattr(self.net, "measured_acceptance", None)
         if measured is not None and measured.gate != self.min_confidence:
             return measured._replace(proposal_rates=(), gate=self.min_confidence)
@@ -230,7 +236,9 @@ class ModelDrafter:
         """Nothing to keep: a request's KV lives in the runner's block tables."""
 
     def remove_request(self, req_id: str, finished: bool) -> None:
-        """Nothing to drop (see `add_request`)."""
+        """Its chain's record, if a priced gate keeps one (its KV: see `add_request`)."""
+        if self.calibration is not None:
+            self.calibration.forget(req_id)
 
     def propose(self, res: StepResult, target_features: torch.Tensor, req_ids: list[str],
                 planned: StepRows) -> dict[str, list[int]]:
@@ -243,9 +251,28 @@ class ModelDrafter:
         """
         if planned.parked is not None and planned.parked.any():
             self._stash_features(res, target_features, planned.parked)
-        by_index = self._draft(res, target_features, planned)
-        return {req_ids[i]: drafts[:int(res.num_draft_tokens[i])]
-                for i, drafts in by_index.items()}
+        gate = self._gate(res, req_ids)
+        by_index = self._draft(res, target_features, planned, gate)
+        proposed = {req_ids[i]: drafts[:int(res.num_draft_tokens[i])]
+                    for i, drafts in by_index.items()}
+        if self.calibration is not None:
+            for i in by_index:
+                rid = req_ids[i]
+                self.calibration.remember(rid, gate.products.get(i, [])[:len(proposed[rid])])
+        return proposed
+
+    def _gate(self, res: StepResult, req_ids: list[str]) -> ConfidenceGate:
+        """This step's gate: priced where the scheduler priced a draft and the drafter
+        learns what drafts gain (after learning from this step's verifications), else
+        at `min_confidence`."""
+        calibration = self.calibration
+        if calibration is None:
+            return ConfidenceGate(self.min_confidence)
+        if res.num_spec is not None and res.accepted is not None:
+            calibration.learn(req_ids, res.num_spec, res.accepted, res.samples)
+        if res.draft_price is None:
+            return ConfidenceGate(self.min_confidence, record=True)
+        return ConfidenceGate(self.min_confidence, priced=calibration.going_on(res.draft_price))
 
     def shadow(self, res: StepResult, req_ids: list[str],
                wanted: list[str]) -> dict[str, int]:
@@ -293,14 +320,13 @@ class ModelDrafter:
         return blocks * self.block_size + positions % self.block_size
 
     def _draft(self, res: StepResult, target_features: torch.Tensor,
-               planned: StepRows) -> dict[int, list[int]]:
+               planned: StepRows, gate: ConfidenceGate) -> dict[int, list[int]]:
         """Drafts per scheduled-request index, for every request with k >= 1."""
         drafts: dict[int, list[int]] = {int(i): [] for i in np.flatnonzero(res.num_draft_tokens)}
         if not any(rows for name, rows in planned.counts.items() if name != "target"):
             return drafts  # every request parked: no pass to fill (most steps under load)
         last_hidden: dict[int, torch.Tensor] = {}
         chain: dict[int, int] = {}  # each request's newest greedy draft
-        gate = ConfidenceGate(self.min_confidence)
         passes = [fill_pass(rows, res, self.states.token_ids, self.mask_id)
                   for rows in planned.passes]
         for draft_pass in passes:
@@ -333,7 +359,7 @@ class ModelDrafter:
         its newest greedy draft back, while the gate lets its chain go on."""
         depth = self.shape.depth(res.num_draft_tokens)
         for j in range(1, int(depth.max(initial=0))):
-            reqs = gate.still_drafting(np.flatnonzero(depth > j))
+            reqs = gate.still_drafting(np.flatnonzero(depth > j), j)
             if not len(reqs):
                 break  # every chain stopped: the passes left are not run
             positions = sequential_positions(self.method, res, j)[reqs]

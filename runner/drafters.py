@@ -24,7 +24,7 @@ import torch
 
 from runner.attention import AttentionBackend
 from runner.buffers import StepBuffers
-from runner.draft_gate import min_draft_confidence
+from runner.draft_gate import gate_priced, min_draft_confidence
 from runner.drafter import RANDOM_HEAD, DraftNet, ModelDrafter, make_draft_lm, make_head
 from runner.models.llama import LlamaForCausalLM
 from runner.request_states import RequestStates
@@ -148,10 +148,12 @@ def _lookup(spec: SpeculativeConfig, ctx: DraftContext) -> Drafter:
 
 def _model(spec: SpeculativeConfig, net: DraftNet, ctx: DraftContext, trained: bool
            ) -> Drafter:
+    tree = not spec.tree_shape.is_chain
     threshold = min_draft_confidence(spec.options, spec.spec_method.sequential, trained,
-                                     tree=not spec.tree_shape.is_chain)
+                                     tree=tree)
+    priced = gate_priced(spec, trained, tree)
     return ModelDrafter(spec, net, ctx.target, ctx.buffers, ctx.states, ctx.block_size,
-                        ctx.attn, ctx.max_num_batched_tokens, threshold)
+                        ctx.attn, ctx.max_num_batched_tokens, threshold, priced)
 
 
 def _head(spec: SpeculativeConfig, ctx: DraftContext) -> Drafter:

@@ -39,6 +39,7 @@ from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from spec_decode import SpeculativeConfig
 from spec_decode.measured import MeasuredAcceptance
 from spec_decode.passes import StepResult, StepRows
+from spec_decode.price import DraftPrice
 
 Logprobs = tuple[list[int], list[float]]
 
@@ -301,7 +302,7 @@ class ModelRunner:
                                 logits[step.num_logits:]) if num_leaves else None
             emitted, logprobs, leaf_hits = self._sample(step, logits[:step.num_logits], spec,
                                                         hidden, features, leaves)
-            result = self._record(step, computed, emitted, k, planned)
+            result = self._record(step, computed, emitted, k, planned, out.draft_price)
         with self._phase("draft"):
             # Timed on its own for the goodput policy's step-time model. The sampled
             # tokens are on the host by now (the drafters read them), so on CUDA this
@@ -442,9 +443,10 @@ class ModelRunner:
         return result
 
     def _record(self, step: PreparedStep, computed: np.ndarray, emitted: list[list[int]],
-                k: np.ndarray, planned: StepRows) -> StepResult:
+                k: np.ndarray, planned: StepRows, price: DraftPrice | None) -> StepResult:
         """Write emitted tokens into the rows; describe the step for the drafter (whose
-        KV now holds every valid position, unless the request is parked)."""
+        KV now holds every valid position, unless the request is parked) and what the
+        scheduler priced a draft at (`price`)."""
         states = self.states
         samples = step.samples
         sampling_rows = step.rows[samples]
@@ -463,6 +465,9 @@ class ModelRunner:
         q_start = np.concatenate(([0], np.cumsum(step.num_scheduled)[:-1]))
         catch_up = (planned.catch_up if planned.catch_up is not None
                     else np.zeros_like(computed))
+        accepted = np.zeros_like(computed)
+        accepted[samples] = counts - 1
         return StepResult(rows=step.rows, computed=computed, num_scheduled=step.num_scheduled,
                           q_start=q_start, valid=valid, samples=samples,
-                          num_draft_tokens=np.where(samples, k, 0), catch_up=catch_up)
+                          num_draft_tokens=np.where(samples, k, 0), catch_up=catch_up,
+                          num_spec=step.num_spec, accepted=accepted, draft_price=price)

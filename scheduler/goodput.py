@@ -91,6 +91,11 @@ class GoodputPolicy:
         # time model's fit count then) and the steps it has served (`_searched`).
         self._kept_threshold: tuple[float, int, int] | None = None
         self._threshold_steps = 0
+        # The accepted drafts this step's caps are forecast to get, where a step's
+        # choice (made now or kept) set them; None where a choice held drafts nothing
+        # or a closed batch's plan set them. The scheduler prices a chain's next draft
+        # at the rate it implies (`SchedulerOutput.draft_price`).
+        self.forecast: float | None = None
 
     def caps(self, verifications: np.ndarray, first_accepted: np.ndarray,
              states: np.ndarray, rule_k: np.ndarray,
@@ -157,7 +162,9 @@ class GoodputPolicy:
             gains = plain
         chosen = np.arange(self.max_k)[None, :] < caps[:, None]
         self.new_request_cap = int(caps[num])
-        self.check.expect(float(gains[:num][chosen[:num]].sum()), int(caps[:num].sum()))
+        forecast = float(gains[:num][chosen[:num]].sum())
+        self.forecast = None if planned and remaining is not None else forecast
+        self.check.expect(forecast, int(caps[:num].sum()))
         return caps[:num]
 
     def _planned_caps(self, records: np.ndarray, firsts: np.ndarray,
@@ -209,6 +216,7 @@ class GoodputPolicy:
             return None
         self._kept = kept
         caps, forecast = got
+        self.forecast = None if planned else forecast
         self.check.expect(forecast, int(caps.sum()))
         return caps
 
@@ -363,6 +371,7 @@ class GoodputPolicy:
         self._idle_steps -= 1
         self._held = True
         self._kept = self._kept_threshold = None
+        self.forecast = None
         self.new_request_cap = self.earned_request_cap = 0
         self.check.expect(0.0, 0)
         return np.zeros(self._idle_num, dtype=np.int64)

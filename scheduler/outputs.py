@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler.request import SamplingParams
+from spec_decode.price import DraftPrice
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,12 @@ class SchedulerOutput:
     # and returns as `ModelRunnerOutput.shadow_token_ids`, never verified: the goodput
     # policy checks it against the token each samples next (`SpecMethod.shadows`).
     shadow_req_ids: list[str] = field(default_factory=list)
+    # What a chain's next draft must gain to pay for its rows and passes this step (the
+    # goodput policy's step-time model at its forecast rate), None where the policy
+    # made no such forecast: a trained chain drafter stops a chain whose next draft is
+    # worth less (runner/draft_gate.py). Only which drafts are proposed moves, never
+    # the budget: the step charged the rows of every allowed draft.
+    draft_price: DraftPrice | None = None
 
     @property
     def num_reqs(self) -> int:

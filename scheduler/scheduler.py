@@ -497,6 +497,12 @@ class Scheduler:
         self._logit_rows = int((self._depth(record.num_spec[live][sampling]) + 1).sum())
         self._predicted_seconds = self.policy.time_model.predict_one(
             output.total_num_scheduled_tokens, self._logit_rows, drafter, passes)
+        forecast = self.policy.forecast
+        if self._chained and forecast is not None and output.num_draft_tokens:
+            # A gated chain's next draft, priced at the rate the step is forecast to run.
+            output.draft_price = self.policy.time_model.draft_price(
+                output.total_num_scheduled_tokens, self._logit_rows, drafter, passes,
+                int(sampling.sum()) + forecast)
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(

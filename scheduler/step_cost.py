@@ -17,6 +17,7 @@ import numpy as np
 
 from scheduler.budget import ThrottleRule
 from scheduler.config import GoodputSettings
+from spec_decode.price import DraftPrice
 
 # Where the hinges of the step-time model sit, in rows that give logits: past each, a
 # pass is more bound by compute than by reading the weights. The first is where this
@@ -220,6 +221,20 @@ class StepTimeModel:
                     1e-6)
         self._last_price = (key, self._theta, price)
         return price
+
+    def draft_price(self, target: int, logits: int, drafter: int, passes: float,
+                    tokens: float) -> DraftPrice:
+        """What a chain's next draft must gain in a step of these rows, forecast to make
+        `tokens`: the seconds its rows add (a logit row of the target pass and a row of
+        a drafter pass), and a drafter pass's own, at the step's tokens per second, by
+        the fit `predict_one` prices with. A draft that gains less slows the step's
+        rate; the rows' prices past a knot are the dearer slope's."""
+        base = self.features_one(target, logits, drafter, passes)
+        row = self.features_one(target + 1, logits + 1, drafter + 1, passes) - base
+        extra_pass = self.features_one(target, logits, drafter, passes + 1) - base
+        rate = tokens / max(float(base @ self._theta), 1e-6)
+        return DraftPrice(rate * max(float(row @ self._theta), 0.0),
+                          rate * max(float(extra_pass @ self._theta), 0.0))
 
     @property
     def theta(self) -> np.ndarray:

@@ -43,6 +43,9 @@ class SpeculativeConfig:
     `options["min_draft_confidence"]` (chain methods: eagle, mtp, draft_model): a
     request stops drafting once the product of its drafts' probabilities falls below
     it, short of its k (runner/draft_gate.py; a trained head's default 0.25, else 0).
+    Not given, a trained head's chains under the goodput policy go on only while their
+    next draft is learnt to gain what the policy prices a draft at this step
+    (runner/draft_calibration.py), the default threshold where it prices none.
 
     `options["draft_top_k"]` (model methods; default 1): T > 1 drafts a tree, the
     chain of greedy drafts plus, at each depth, the next T - 1 candidates as leaves

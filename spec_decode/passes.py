@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from spec_decode.methods import PassRecipe, SpecMethod, context_rows
+from spec_decode.price import DraftPrice
 
 MASK_ROW = -1  # hidden_src of a row with no target hidden state (mask / query rows)
 
@@ -43,6 +44,12 @@ class StepResult:
     samples: np.ndarray  # [R] bool
     num_draft_tokens: np.ndarray  # [R] k (0 when not sampling)
     catch_up: np.ndarray  # [R] b: rows before c the context passes catch up (0: none)
+    # [R] drafts verified this step, and how many of them were accepted (None: not
+    # told; a chain drafter's gate learns from them, runner/draft_calibration.py).
+    num_spec: np.ndarray | None = None
+    accepted: np.ndarray | None = None
+    # What a chain's next draft must gain this step (`SchedulerOutput.draft_price`).
+    draft_price: DraftPrice | None = None
 
 
 @dataclass

@@ -1118,3 +1118,52 @@ def test_the_price_check_fails_on_sums_that_depend_on_the_call(
     monkeypatch.setattr(np, "einsum", reordered)
     together, alone = _prices_alone_and_together(_taught_model())
     assert not np.array_equal(together, alone)
+
+
+# ---- the price of a chain's next draft, told to the runner ---------------------------
+
+
+def test_a_drafts_price_is_what_its_rows_and_a_pass_cost_at_the_steps_rate() -> None:
+    """`StepTimeModel.draft_price`: the seconds one more draft's rows add, and one
+    more drafter pass, at the step's forecast tokens per second (the fit
+    `predict_one` prices with); twice the tokens, twice the price."""
+    model = _taught_model()
+    model.theta  # noqa: B018 (refit: `draft_price` reads the fit as last made)
+    rows = (40, 8, 12, 2)
+    seconds = model.predict_one(*rows)
+    price = model.draft_price(*rows, tokens=6.0)
+    row = model.predict_one(41, 9, 13, 2) - seconds
+    extra_pass = model.predict_one(40, 8, 12, 3) - seconds
+    assert price.per_row == pytest.approx(6.0 / seconds * row)
+    assert price.per_pass == pytest.approx(6.0 / seconds * extra_pass)
+    assert price.per_row > 0 and price.per_pass > 0
+    doubled = model.draft_price(*rows, tokens=12.0)
+    assert doubled.per_row == pytest.approx(2 * price.per_row)
+
+
+def _eagle_prices(drafter_pass: float, draft_policy: str = "goodput") -> list:
+    """Each step's `draft_price` of one eagle request on a simulated clock whose
+    drafter pass costs `drafter_pass` seconds (the target's 20 ms, 0.1 ms a row)."""
+    sched = make_scheduler("eagle", k=K, budget=256, draft_policy=draft_policy,
+                           max_model_len=512)
+    runner = SimulatedRunner(sched, acceptance=0.8, seed=2,
+                             step_time=synthetic_step_time(0.02, 0.0001, drafter_pass))
+    sched.add_request(make_request("r", 6, max_tokens=120, ignore_eos=True))
+    prices = []
+    while sched.has_unfinished_requests():
+        out, _ = run_step(sched, runner)
+        prices.append((out.draft_price, bool(out.num_draft_tokens)))
+    return prices
+
+
+def test_the_runner_is_told_a_drafts_price_where_the_policy_forecast_one() -> None:
+    """Under the goodput policy every step that drafts a chain tells the runner what
+    its next draft must gain, dearer where a drafter pass costs more; the fixed policy
+    forecasts nothing and tells it nothing."""
+    cheap, dear = _eagle_prices(0.0005), _eagle_prices(0.008)
+    for prices in (cheap, dear):
+        assert all((price is not None) == drafts for price, drafts in prices[1:])
+        assert sum(drafts for _, drafts in prices) > len(prices) // 2
+    per_pass = [np.median([p.per_pass for p, d in prices if d]) for prices in (cheap, dear)]
+    assert per_pass[1] > 2 * per_pass[0]
+    assert all(price is None for price, _ in _eagle_prices(0.008, "fixed"))
