@@ -10,16 +10,19 @@ every chain drawn to K = 4): after the first draft, c_1 around 0.55 / 0.65 / 0.7
 0.85 gained 0.16 / 0.33 / 0.40 / 0.52 from the second draft, well under c_1 itself.
 
 The scheduler says what a draft must gain this step (`SchedulerOutput.draft_price`,
-from the goodput policy's step-time model): a chain goes on past draft j while every
-band from c_j's up is worth the price, so a machine where a drafter pass and a
-verified row cost more of a step stops more chains, with no threshold to tune.
+from the goodput policy's step-time model): a chain goes on past draft j where its
+next draft is learnt to gain the price of its rows, and the chains going on together
+gain the price of the drafter pass they run on (`ChainsGoingOn`). A machine where a
+drafter pass and a verified row cost more of a step stops more chains, with no
+threshold to tune.
 
 Only chains that went on teach the band they went on from, so a band starts at a
-prior that errs high, the band's middle squared (the next draft as sure as the chain
-so far; measured after the first draft at 0.55 / 0.65 / 0.75 / 0.85: 0.16 / 0.33 /
-0.40 / 0.52 against 0.30 / 0.42 / 0.56 / 0.72; after the second, at 0.54 / 0.63 /
-0.74: 0.35 / 0.53 / 0.67 against 0.29 / 0.40 / 0.55), and is tried until its record
-says otherwise. Records fade per step (`decay`), so a band written off is tried again
+prior, the band's middle squared (the next draft as sure as the chain so far). It
+errs high after the first draft, so such bands are tried until their record says
+otherwise, and a little low after the second (measured after the first draft at
+0.55 / 0.65 / 0.75 / 0.85: 0.16 / 0.33 / 0.40 / 0.52 against the prior's 0.30 / 0.42
+/ 0.56 / 0.72; after the second, at 0.54 / 0.63 / 0.74: 0.35 / 0.53 / 0.67 against
+0.29 / 0.40 / 0.55). Records fade per step (`decay`), so a band written off is tried again
 later, and the gate follows a workload that changes. (A prior of c_j itself, the
 next draft sure to be accepted, tried bands that lose for longer: under the goodput
 policy it ran between the thresholds 0.25 and 0.7, README.)
