@@ -688,21 +688,19 @@ def test_draft_starts_quick(tmp_path: Path) -> None:
 @pytest.mark.model
 def test_draft_confidence_quick(tmp_path: Path) -> None:
     """An untrained head is never confident: at threshold 0.5 every chain stops after
-    its first draft, at 0 it runs to K, and with none given (`default`: a random
-    head's 0) too; all lossless in both rounds, the ratio their median, the JSON the
-    report."""
+    its first draft, and with none given (`default`: a random head's 0) it runs to K;
+    both lossless in both rounds, the ratio their median, the JSON the report."""
     from benchmarks import draft_confidence
 
     report = draft_confidence.main(["--quick", "--head", "random", "--thresholds",
-                                    "0,0.5,default", "--policies", "fixed", "--k", "3",
+                                    "0.5,default", "--policies", "fixed", "--k", "3",
                                     "--rounds", "2", "--out", str(tmp_path / "c.json")])
     assert json.loads((tmp_path / "c.json").read_text()) == report
     rows = report["results"]["fixed"]
-    assert all(rows[t]["lossless"] for t in ("0.0", "0.5", "default"))
-    assert sum(rows["0.0"]["drafted_per_position"][1:]) > 0
+    assert rows["0.5"]["lossless"] and rows["default"]["lossless"]
+    assert sum(rows["default"]["drafted_per_position"][1:]) > 0
     assert rows["0.5"]["drafted_per_position"][0] > 0
     assert sum(rows["0.5"]["drafted_per_position"][1:]) == 0
-    assert rows["default"]["drafted_per_position"] == rows["0.0"]["drafted_per_position"]
     ratios = rows["0.5"]["speedup_vs_off_by_round"]
     assert len(ratios) == 2
     assert rows["0.5"]["speedup_vs_off"] == pytest.approx(sum(ratios) / 2, abs=1e-3)
