@@ -251,25 +251,27 @@ class ModelDrafter:
         """
         if planned.parked is not None and planned.parked.any():
             self._stash_features(res, target_features, planned.parked)
-        gate = self._gate(res, req_ids)
+        # The drafts verified this step teach the record before this step's gate reads it.
+        calibration = self.calibration
+        if calibration is not None and res.num_spec is not None and res.accepted is not None:
+            calibration.learn(req_ids, res.num_spec, res.accepted, res.samples)
+        gate = self._gate(res)
         by_index = self._draft(res, target_features, planned, gate)
         proposed = {req_ids[i]: drafts[:int(res.num_draft_tokens[i])]
                     for i, drafts in by_index.items()}
-        if self.calibration is not None:
+        if calibration is not None:
             for i in by_index:
                 rid = req_ids[i]
-                self.calibration.remember(rid, gate.products.get(i, [])[:len(proposed[rid])])
+                calibration.remember(rid, gate.products.get(i, [])[:len(proposed[rid])])
         return proposed
 
-    def _gate(self, res: StepResult, req_ids: list[str]) -> ConfidenceGate:
+    def _gate(self, res: StepResult) -> ConfidenceGate:
         """This step's gate: priced where the scheduler priced a draft and the drafter
-        learns what drafts gain (after learning from this step's verifications), else
-        at `min_confidence`."""
+        learns what drafts gain, else at `min_confidence` (recording its chains where
+        the drafter learns)."""
         calibration = self.calibration
         if calibration is None:
             return ConfidenceGate(self.min_confidence)
-        if res.num_spec is not None and res.accepted is not None:
-            calibration.learn(req_ids, res.num_spec, res.accepted, res.samples)
         if res.draft_price is None:
             return ConfidenceGate(self.min_confidence, record=True)
         return ConfidenceGate(self.min_confidence, priced=calibration.going_on(res.draft_price))
