@@ -19,8 +19,8 @@ from runner.request_states import RequestStates
 from spec_decode import SpeculativeConfig
 from spec_decode.measured import MeasuredAcceptance
 from spec_decode.passes import StepResult, StepRows
-from spec_decode.rejection_sampler import RejectionSampler
-from spec_decode.sampling import SamplingMetadata
+from spec_decode.rejection_sampler import RejectionSampler, greedy_walk
+from spec_decode.sampling import SamplingMetadata, greedy_ids
 
 
 def make_rejection_sampler(device: torch.device | str) -> RejectionSampler:
@@ -81,6 +81,8 @@ class SpecDecoder:
         `logits` holds each sampling request's 1 + s rows in order (input prep).
         """
         drafts = [spec.get(rid, []) for rid in sampling_ids]
+        if meta.all_greedy:
+            return greedy_walk(drafts, greedy_ids(logits).tolist())
         flat = torch.tensor([t for d in drafts for t in d], dtype=torch.int64,
                             device=logits.device)
         out = self.rejection.forward(flat, [len(d) for d in drafts], None, logits, meta)

@@ -186,6 +186,28 @@ class RejectionSampler:
         return assemble_output(layout, draft_token_ids, accepted, recovered, bonus)
 
 
+def greedy_walk(drafts: list[list[int]], target_ids: list[int]) -> list[list[int]]:
+    """The greedy rule for a step whose every request is greedy, on the host: each
+    request's accepted drafts, then the target's pick at its first mismatch or at its
+    bonus row. `target_ids`: each target row's argmax, rows laid out as `DraftLayout`
+    lays them (a request's s verifying rows, then its bonus row).
+
+    `RejectionSampler.forward`'s result for such a step, as lists: an accepted draft is
+    the target's pick at its row, so emitting the picks emits the drafts. Its ~7 small
+    device copies and ~15 tensor ops cost ~1 ms a step on the CPU at one request, a
+    thirtieth of a decode step; this walk costs microseconds."""
+    emitted: list[list[int]] = []
+    row = 0
+    for draft in drafts:
+        picks = target_ids[row:row + len(draft) + 1]
+        taken = 0
+        while taken < len(draft) and draft[taken] == picks[taken]:
+            taken += 1
+        emitted.append(picks[:taken + 1])
+        row += len(draft) + 1
+    return emitted
+
+
 def compute_target_probs(
     target_logits: torch.Tensor,  # [T, V] fp32
     sampling: SamplingMetadata,  # R rows

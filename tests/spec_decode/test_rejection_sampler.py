@@ -16,6 +16,7 @@ from spec_decode.rejection_sampler import (
     RandomDraws,
     RejectionSampler,
     draw_random,
+    greedy_walk,
 )
 from spec_decode.sampling import SamplingMetadata, exponential_race
 from tests.sampling_helpers import chi2_critical, chi2_statistic, sampling_metadata
@@ -63,6 +64,27 @@ def verify(drafts: list[int], num_drafts: list[int], logits: torch.Tensor,
 ])
 def test_greedy_walk(argmaxes: list[int], want: list[int]) -> None:
     assert verify([1, 2, 3], [3], peaked_logits(argmaxes), metadata([0.0])) == [want]
+    # The host walk an all-greedy step takes (runner/spec.py) emits the same tokens.
+    assert greedy_walk([[1, 2, 3]], argmaxes) == [[t for t in want if t >= 0]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_host_greedy_walk_matches_the_sampler(seed: int) -> None:
+    """Random batches whose drafts match the target's picks for a random stretch:
+    the host walk emits what `RejectionSampler.forward` emits, request by request."""
+    gen = np.random.default_rng(seed)
+    num_drafts = gen.integers(0, 5, size=int(gen.integers(1, 9))).tolist()
+    picks = gen.integers(0, VOCAB, size=sum(num_drafts) + len(num_drafts)).tolist()
+    drafts, row = [], 0
+    for s in num_drafts:
+        matched = int(gen.integers(0, s + 1))
+        drafts.append(picks[row:row + matched] + [(t + 1) % VOCAB for t in
+                                                   picks[row + matched:row + s]])
+        row += s + 1
+    logits = peaked_logits(picks)
+    want = verify([t for d in drafts for t in d], num_drafts, logits,
+                  metadata([0.0] * len(num_drafts)))
+    assert greedy_walk(drafts, picks) == [[t for t in w if t >= 0] for w in want]
 
 
 def test_greedy_rows_without_drafts_emit_the_bonus_argmax() -> None:
