@@ -47,6 +47,9 @@ class SpecDecoder:
         self.drafter: Drafter = make_drafter(spec, DraftContext(
             target, buffers, states, block_size, attn, max_num_batched_tokens, target_path))
         self.rejection = make_rejection_sampler(target.lm_head.weight.device)
+        # An all-greedy step verified on the host (`greedy_walk`); False sends it
+        # through the sampler, as benchmarks/greedy_walk.py compares.
+        self.host_greedy_walk = True
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -81,7 +84,7 @@ class SpecDecoder:
         `logits` holds each sampling request's 1 + s rows in order (input prep).
         """
         drafts = [spec.get(rid, []) for rid in sampling_ids]
-        if meta.all_greedy:
+        if meta.all_greedy and self.host_greedy_walk:
             return greedy_walk(drafts, greedy_ids(logits).tolist())
         flat = torch.tensor([t for d in drafts for t in d], dtype=torch.int64,
                             device=logits.device)

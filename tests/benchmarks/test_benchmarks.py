@@ -707,6 +707,27 @@ def test_draft_confidence_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.model
+def test_greedy_walk_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off, the sampler's path and the host walk side by side: every output equal to
+    off's, one ratio a path, and the engine told to use the sampler does use it (the
+    host walk's engine never calls it: greedy steps only)."""
+    from benchmarks import greedy_walk
+    from spec_decode.rejection_sampler import RejectionSampler
+
+    calls = []
+    forward = RejectionSampler.forward
+    monkeypatch.setattr(RejectionSampler, "forward",
+                        lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    report = greedy_walk.main(["--quick", "--head", "random", "--k", "2", "--rounds", "1",
+                               "--out", str(tmp_path / "w.json")])
+    assert json.loads((tmp_path / "w.json").read_text()) == report
+    (only,) = report["rounds"]
+    assert only["lossless"]
+    assert only["sampler_over_off"] > 0 and only["host_walk_over_off"] > 0
+    assert calls  # the sampler's engine verified through it
+
+
+@pytest.mark.model
 def test_draft_trees_quick(tmp_path: Path) -> None:
     """An untrained head's chain and trees (3 deep), two requests running: every output
     as off's, the tree's K its node count, the JSON the report."""
