@@ -196,6 +196,10 @@ def greedy_walk(drafts: list[list[int]], target_ids: list[int]) -> list[list[int
     the target's pick at its row, so emitting the picks emits the drafts. Its ~7 small
     device copies and ~15 tensor ops cost ~1 ms a step on the CPU at one request, a
     thirtieth of a decode step; this walk costs microseconds."""
+    need = sum(map(len, drafts)) + len(drafts)
+    if len(target_ids) != need:
+        raise ValueError(f"target_ids has {len(target_ids)} rows, expected {need}: one per "
+                         f"draft plus a bonus row per request")
     emitted: list[list[int]] = []
     row = 0
     for draft in drafts:

@@ -85,6 +85,8 @@ def test_host_greedy_walk_matches_the_sampler(seed: int) -> None:
     want = verify([t for d in drafts for t in d], num_drafts, logits,
                   metadata([0.0] * len(num_drafts)))
     assert greedy_walk(drafts, picks) == [[t for t in w if t >= 0] for w in want]
+    with pytest.raises(ValueError, match="expected"):  # a row short: refused, as forward does
+        greedy_walk(drafts, picks[:-1])
 
 
 def test_greedy_rows_without_drafts_emit_the_bonus_argmax() -> None:
