@@ -42,23 +42,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
 
-    from engine.llm import LLM
     from engine.stepwise import run_side_by_side
     from scheduler import SamplingParams
+    from training.served import served_engine
 
     model, head, prompts = served_head(args)
     spec: dict[str, Any] = {"method": args.method, "model": head,
                             "num_speculative_tokens": args.k, "draft_policy": args.policy}
     if args.min_draft_confidence is not None:
         spec["min_draft_confidence"] = args.min_draft_confidence
-    engines = [LLM(loaded_model=model, speculative_config=s, max_num_seqs=1,
-                   max_num_batched_tokens=256, max_model_len=1024)
-               for s in (None, spec, spec)]
+    engines = [served_engine(model, s) for s in (None, spec, spec)]  # warmed up
     try:
         engines[1].engine.runner.spec.host_greedy_walk = False
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-        for llm in engines:  # warm-up
-            llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
         rendered = [engines[0].tokenizer.apply_chat_template([{"role": "user", "content": p}])
                     for p in prompts]
         rounds = [_round(*run_side_by_side(engines, rendered, params))

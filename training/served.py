@@ -64,8 +64,9 @@ def _served_in_child(model_path: str, dtype: str, head_dir: str, method: str, k:
                           max_tokens=max_tokens)
 
 
-def _engine(model: LlamaForCausalLM, spec: dict[str, Any] | None,
-            max_num_seqs: int = 1) -> LLM:
+def served_engine(model: LlamaForCausalLM, spec: dict[str, Any] | None,
+                  max_num_seqs: int = 1) -> LLM:
+    """An engine as the served figure runs one (`spec` None: speculation off), warmed up."""
     llm = LLM(loaded_model=model, speculative_config=spec, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=256, max_model_len=1024)
     llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
@@ -98,7 +99,7 @@ def side_by_side(model: LlamaForCausalLM, specs: list[dict[str, Any] | None],
         raise ValueError("taking turns a request at a time runs one request at a time")
     engines: list[LLM] = []
     try:
-        engines.extend(_engine(model, spec, concurrency) for spec in specs)
+        engines.extend(served_engine(model, spec, concurrency) for spec in specs)
         rendered = [engines[0].tokenizer.apply_chat_template([{"role": "user", "content": p}])
                     for p in prompts]
         befores = [llm.get_metrics()["spec_decode"] for llm in engines]
