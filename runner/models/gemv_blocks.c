@@ -30,12 +30,11 @@
  * (AVX2 EPYC, 2 threads, same run: 576 x 1536, 95 -> 133 GFLOP/s; 16 rows 104 -> 118;
  * 128 and 384 within noise of 256, 512 slower). */
 #define SPAN 256
-#define TILE 6    /* rows x blocks whose sums are held at once (12 of 16 registers) */
+#define TILE 6    /* rows whose sums a wide call holds at once (12 of 16 registers) */
 /* Rows a fused call takes: at 6 its sums, rebuilt weights and scales need more than the
  * 16 registers, and the wide path ran 6 rows in 0.75x the time (AVX2 EPYC, 2 threads,
  * 576 x 1536: 135 -> 101 us). */
 #define FUSED_ROWS 5
-#define FUSED_BLOCKS_1 2  /* blocks a one-row call takes at once: four FMA chains */
 #define AHEAD 2   /* groups fetched ahead of use */
 
 /* R_ rows times one rebuilt block (`w`: [len][16]) over `len` inputs, the sums carried in
@@ -74,19 +73,17 @@ static void tile(int rows, const float *w, const float *x, int64_t xs, float *ac
 #undef CASE
 }
 
-/* Sums (in `acc`, [M][B][16]) to outputs, with the bias and the residual. */
-static void finish(const float *acc, int M, int B, int N, int nb0, float *y, int64_t ys,
+/* Output block nb's sums (in `acc`, [M][16]) to outputs, with the bias and the residual. */
+static void finish(const float *acc, int M, int N, int nb, float *y, int64_t ys,
                    const float *res, int64_t rs, const float *bias) {
+    const int valid = N - nb * LANES < LANES ? N - nb * LANES : LANES;
     for (int r = 0; r < M; r++)
-        for (int b = 0; b < B; b++) {
-            const int nb = nb0 + b, valid = N - nb * LANES < LANES ? N - nb * LANES : LANES;
-            for (int l = 0; l < valid; l++) {
-                const int64_t n = (int64_t)nb * LANES + l;
-                float v = acc[((int64_t)r * B + b) * LANES + l];
-                if (bias) v += bias[n];
-                if (res) v += res[r * rs + n];
-                y[r * ys + n] = v;
-            }
+        for (int l = 0; l < valid; l++) {
+            const int64_t n = (int64_t)nb * LANES + l;
+            float v = acc[(int64_t)r * LANES + l];
+            if (bias) v += bias[n];
+            if (res) v += res[r * rs + n];
+            y[r * ys + n] = v;
         }
 }
 
@@ -195,61 +192,61 @@ static void rebuild(int bits, const uint8_t *codes, const uint16_t *d, const uin
     else rebuild_bits(8, codes, d, m, K, nb, k0, w);
 }
 
-/* A call of R_ <= FUSED_ROWS rows through B_ blocks from nb0, every weight rebuilt in
+/* A call of R_ <= FUSED_ROWS rows through output block nb, every weight rebuilt in
  * registers as it is used and every sum held in one over all K inputs: for a few rows,
  * storing the rebuilt weights and loading them back cost more than rebuilding them
- * once a row group. The sums are the same FMAs in the same order as `tile_rows`'. */
+ * once a row group. The sums are the same FMAs in the same order as `tile_rows`'.
+ *
+ * One block at a time, one row included. A one-row call had taken two blocks at once
+ * (four FMA chains where one block has two): faster on a weight already in the caches
+ * (one weight called again and again: 13.4 against 15.3 GFLOP/s one block at a time,
+ * 576 x 576), but a decode step reads every weight cold, and there the two blocks' code
+ * streams cost more than the chains won: a whole model's layers in a forward's order,
+ * one row, 19.4 ms two blocks at a time against 15.0 one (AVX2 EPYC, 2 threads, the
+ * builds alternating in one process; `benchmarks/block_kernel.py --sweep`). The bits
+ * are the same either way: each output's sum runs over its inputs in order. */
 static inline __attribute__((always_inline)) void fused_rows(
-        const int BITS, const int R_, const int B_, const uint8_t *codes, const uint16_t *d,
-        const uint16_t *m, const float *x, int64_t xs, int K, int nb0, float *acc) {
-    __m256 lo_acc[TILE], hi_acc[TILE];
+        const int BITS, const int R_, const uint8_t *codes, const uint16_t *d,
+        const uint16_t *m, const float *x, int64_t xs, int K, int nb, float *acc) {
+    __m256 lo_acc[FUSED_ROWS], hi_acc[FUSED_ROWS];
 #pragma GCC unroll 8
-    for (int i = 0; i < R_ * B_; i++) lo_acc[i] = hi_acc[i] = _mm256_setzero_ps();
+    for (int r = 0; r < R_; r++) lo_acc[r] = hi_acc[r] = _mm256_setzero_ps();
     for (int g = 0; g < K / GROUP; g++) {
-        struct scales s[FUSED_BLOCKS_1];
-#pragma GCC unroll 8
-        for (int b = 0; b < B_; b++) {
-            s[b] = scales_at(BITS, d, m, K, nb0 + b, g);
-            prefetch_group(BITS, codes, d, m, K, nb0 + b, g + AHEAD);
-        }
+        const struct scales s = scales_at(BITS, d, m, K, nb, g);
+        prefetch_group(BITS, codes, d, m, K, nb, g + AHEAD);
         for (int k8 = g * GROUP; k8 < (g + 1) * GROUP; k8 += 8) {
-            struct words cw[FUSED_BLOCKS_1];
-#pragma GCC unroll 8
-            for (int b = 0; b < B_; b++) cw[b] = words_at(BITS, codes, K, nb0 + b, k8);
+            const struct words cw = words_at(BITS, codes, K, nb, k8);
 #pragma GCC unroll 8
             for (int nib = 0; nib < 8; nib++) {
                 const int k = k8 + nib;
+                __m256 lo, hi;
+                weights_at(BITS, codes, &cw, &s, K, nb, k, nib, &lo, &hi);
 #pragma GCC unroll 8
-                for (int b = 0; b < B_; b++) {
-                    __m256 lo, hi;
-                    weights_at(BITS, codes, &cw[b], &s[b], K, nb0 + b, k, nib, &lo, &hi);
-#pragma GCC unroll 8
-                    for (int r = 0; r < R_; r++) {
-                        const __m256 xv = _mm256_broadcast_ss(x + r * xs + k);
-                        lo_acc[r * B_ + b] = _mm256_fmadd_ps(lo, xv, lo_acc[r * B_ + b]);
-                        hi_acc[r * B_ + b] = _mm256_fmadd_ps(hi, xv, hi_acc[r * B_ + b]);
-                    }
+                for (int r = 0; r < R_; r++) {
+                    const __m256 xv = _mm256_broadcast_ss(x + r * xs + k);
+                    lo_acc[r] = _mm256_fmadd_ps(lo, xv, lo_acc[r]);
+                    hi_acc[r] = _mm256_fmadd_ps(hi, xv, hi_acc[r]);
                 }
             }
         }
     }
 #pragma GCC unroll 8
-    for (int i = 0; i < R_ * B_; i++) {
-        _mm256_store_ps(acc + i * LANES, lo_acc[i]);
-        _mm256_store_ps(acc + i * LANES + 8, hi_acc[i]);
+    for (int r = 0; r < R_; r++) {
+        _mm256_store_ps(acc + r * LANES, lo_acc[r]);
+        _mm256_store_ps(acc + r * LANES + 8, hi_acc[r]);
     }
 }
 
 /* `fused_rows` for each code width and row count, each its own copy. */
 static void fused(int bits, int rows, const uint8_t *codes, const uint16_t *d,
-                  const uint16_t *m, const float *x, int64_t xs, int K, int nb0, float *acc) {
-#define CASE(R, B)                                                                   \
+                  const uint16_t *m, const float *x, int64_t xs, int K, int nb, float *acc) {
+#define CASE(R)                                                                      \
     if (rows == R) {                                                                 \
-        if (bits == 4) fused_rows(4, R, B, codes, d, m, x, xs, K, nb0, acc);         \
-        else fused_rows(8, R, B, codes, d, m, x, xs, K, nb0, acc);                   \
+        if (bits == 4) fused_rows(4, R, codes, d, m, x, xs, K, nb, acc);             \
+        else fused_rows(8, R, codes, d, m, x, xs, K, nb, acc);                       \
         return;                                                                      \
     }
-    CASE(1, FUSED_BLOCKS_1) CASE(2, 1) CASE(3, 1) CASE(4, 1) CASE(5, 1)
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5)
 #undef CASE
 }
 
@@ -290,7 +287,7 @@ static void wide_block(int bits, const uint8_t *codes, const uint16_t *d, const 
             r0 += rows;
         }
     }
-    finish(acc, M, 1, N, nb, y, ys, res, rs, bias);
+    finish(acc, M, N, nb, y, ys, res, rs, bias);
 }
 
 /* y[r] = w @ x[r] (+ bias) (+ res[r]) for M rows, w as `rebuild` reads it (`bits` 4 or
@@ -303,17 +300,17 @@ int specbudget_gemv_blocks(int bits, const uint8_t *codes, const uint16_t *d,
                            const uint16_t *m, const float *x, int64_t xs, int M, int K,
                            int N, float *y, int64_t ys, const float *res, int64_t rs,
                            const float *bias) {
-    const int B = M == 1 ? FUSED_BLOCKS_1 : 1, runs = (N + LANES * B - 1) / (LANES * B);
+    const int blocks = (N + LANES - 1) / LANES;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        const int lo = (int)((int64_t)runs * t / T), hi = (int)((int64_t)runs * (t + 1) / T);
+        const int lo = (int)((int64_t)blocks * t / T), hi = (int)((int64_t)blocks * (t + 1) / T);
         if (M <= FUSED_ROWS) {
             float acc[FUSED_ROWS * LANES] __attribute__((aligned(32)));
-            for (int run = lo; run < hi; run++) {
-                fused(bits, M, codes, d, m, x, xs, K, run * B, acc);
-                finish(acc, M, B, N, run * B, y, ys, res, rs, bias);
+            for (int nb = lo; nb < hi; nb++) {
+                fused(bits, M, codes, d, m, x, xs, K, nb, acc);
+                finish(acc, M, N, nb, y, ys, res, rs, bias);
             }
         } else {
             float *w = lo < hi ? scratch_for((int64_t)(SPAN + M) * LANES) : NULL;

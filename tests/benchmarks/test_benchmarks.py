@@ -486,6 +486,24 @@ def test_request_spread_tells_alike_requests_from_spread_ones() -> None:
     assert apart["dispersion"] > 10 * alike["dispersion"]
 
 
+def _base_kernel_edited(monkeypatch: pytest.MonkeyPatch, old: str, new: str,
+                        count: int = -1) -> None:
+    """block_kernel's base build: this checkout's gemv_blocks.c with `old` (which it must
+    hold) replaced by `new`, the first `count` times (all if -1)."""
+    from benchmarks import block_kernel
+    from runner.models import linear_blocks
+
+    source = linear_blocks.SOURCE.read_text()
+    assert old in source
+
+    def edited(_rev: str, into: Path) -> Path:
+        path = into / linear_blocks.SOURCE.name
+        path.write_text(source.replace(old, new, count))
+        return path
+
+    monkeypatch.setattr(block_kernel, "base_source", edited)
+
+
 @needs_compiler
 def test_block_kernel_quick_keeps_bits_and_catches_a_build_that_does_not(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -504,20 +522,46 @@ def test_block_kernel_quick_keeps_bits_and_catches_a_build_that_does_not(
     assert all(c["base_ms"] > 0 and c["head_ms"] > 0 for c in report["cases"])
     assert report["all_same_bits"]
 
-    fma = "lo_acc[r] = _mm256_fmadd_ps(lo, xv, lo_acc[r]);"
-    source = linear_blocks.SOURCE.read_text()
-    assert fma in source
-
-    def drifting(_rev: str, into: Path) -> Path:
-        path = into / linear_blocks.SOURCE.name
-        path.write_text(source.replace(fma, "lo_acc[r] = _mm256_fmadd_ps(lo, _mm256_mul_ps("
-                                            "xv, _mm256_set1_ps(1.0f + 0x1p-20f)), lo_acc[r]);"))
-        return path
-
-    monkeypatch.setattr(block_kernel, "base_source", drifting)
+    # The first such line is the wide path's (`tile_rows`); the fused one's is alike.
+    _base_kernel_edited(monkeypatch, "lo_acc[r] = _mm256_fmadd_ps(lo, xv, lo_acc[r]);",
+                        "lo_acc[r] = _mm256_fmadd_ps(lo, _mm256_mul_ps(xv, _mm256_set1_ps("
+                        "1.0f + 0x1p-20f)), lo_acc[r]);", count=1)
     broken = block_kernel.main(["--quick", "--out", str(tmp_path / "c.json")])
     assert not broken["all_same_bits"]
     assert {c["rows"] for c in broken["cases"] if not c["same_bits"]} == {6, 16}
+
+    # The cold sweep through a (quick: one-layer) model, on both builds the same way.
+    swept = block_kernel.main(["--quick", "--sweep", "--out", str(tmp_path / "d.json")])
+    assert [c["rows"] for c in swept["cases"]] == [1, 6, 16]
+    assert all(c["base_ms"] > 0 and c["head_gb_per_s"] > 0 for c in swept["cases"])
+    assert {c["rows"] for c in swept["cases"] if not c["same_bits"]} == {6, 16}
+
+
+@pytest.mark.model
+@needs_compiler
+def test_block_kernel_engine_quick_serves_each_engine_on_its_own_build(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--engine`: two engines sharing the model, each step on its own build. Against
+    HEAD's kernel both answer alike; against a base whose fused path stores no sums the
+    base engine's answers change and the head engine's do not, so each engine really
+    ran its own build (a switch that stuck on one build would show both alike or both
+    changed)."""
+    from benchmarks import block_kernel
+    from runner.models import linear_blocks
+
+    if not linear_blocks.available():
+        pytest.skip(f"no GGUF-block kernel here: {linear_blocks.load()[1]}")
+    report = block_kernel.main(["--quick", "--engine", "--out", str(tmp_path / "e.json")])
+    assert json.loads((tmp_path / "e.json").read_text()) == report
+    assert [r["round"] for r in report["rounds"]] == [0, 1]
+    for row in report["rounds"]:
+        assert row["off"]["base_tok_s"] > 0 and row["off"]["head_tok_s"] > 0
+        assert row["off"]["same_outputs"]
+
+    _base_kernel_edited(monkeypatch, "_mm256_store_ps(acc + r * LANES, lo_acc[r]);",
+                        "_mm256_store_ps(acc + r * LANES, _mm256_setzero_ps());")
+    wrong = block_kernel.main(["--quick", "--engine", "--out", str(tmp_path / "f.json")])
+    assert not any(row["off"]["same_outputs"] for row in wrong["rounds"])
 
 
 @pytest.mark.model
