@@ -202,9 +202,11 @@ static void rebuild(int bits, const uint8_t *codes, const uint16_t *d, const uin
  * (one weight called again and again: 13.4 against 15.3 GFLOP/s one block at a time,
  * 576 x 576), but a decode step reads every weight cold, and there the two blocks' code
  * streams cost more than the chains won: a whole model's layers in a forward's order,
- * one row, 19.4 ms two blocks at a time against 15.0 one (AVX2 EPYC, 2 threads, the
- * builds alternating in one process; `benchmarks/block_kernel.py --sweep`). The bits
- * are the same either way: each output's sum runs over its inputs in order. */
+ * one row, 19.4 ms two blocks at a time against 15.0 one, in another run 17.2 against
+ * 14.2 (AVX2 EPYC, 2 threads, the builds alternating in one process;
+ * `benchmarks/block_kernel.py --sweep`), and speculation off served 1.12x the tok/s
+ * (`--engine`). The bits are the same either way: each output's sum runs over its
+ * inputs in order. */
 static inline __attribute__((always_inline)) void fused_rows(
         const int BITS, const int R_, const uint8_t *codes, const uint16_t *d,
         const uint16_t *m, const float *x, int64_t xs, int K, int nb, float *acc) {

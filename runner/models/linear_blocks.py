@@ -61,8 +61,7 @@ def find_blocks(weight: torch.Tensor) -> Blocks | None:
     each group's extreme, to within a float16 step, each candidate checked by
     rebuilding the group."""
     lib, _ = load()
-    if (lib is None or weight.dtype != torch.float32 or weight.dim() != 2
-            or weight.shape[1] % CHUNK or weight.device.type != "cpu"):
+    if lib is None or not _takes(weight):
         return None
     n, k = weight.shape
     flat = weight.detach().contiguous()
@@ -209,15 +208,26 @@ class _BlocksPacked(PackedLinear):
 
 class BlockLinear(LinearKernel):
     """gemv_blocks.c for a float32 weight made of Q4_1 or Q8_0 blocks, `inner` for any
-    other weight (and for a call the kernel does not take)."""
+    other weight (and for a call the kernel does not take).
 
-    def __init__(self, inner: LinearKernel) -> None:
-        self.inner = inner
-        self.name = f"gguf blocks, float32 sums (else {inner.name})"
+    `round_others` (a drafter's kernel, runner/models/linear_draft.py): any other
+    float32 weight whose inputs the kernel takes is rounded to Q8_0 blocks and runs
+    from them too, instead of on `inner`. A drafter proposes and the target verifies,
+    so its weights need not be the float32 ones (the gemv it would take holds them in
+    bfloat16 anyway), and Q8_0 streams 1.06 bytes a weight where bfloat16 streams 2:
+    a trained eagle head's six matrices, ~20 MB a pass held in bfloat16, are ~10.6 MB,
+    each read cold after the target's pass."""
+
+    def __init__(self, inner: LinearKernel, round_others: bool = False) -> None:
+        self.inner, self.round_others = inner, round_others
+        rounded = ", others rounded to q8_0 blocks" if round_others else ""
+        self.name = f"gguf blocks{rounded}, float32 sums (else {inner.name})"
         self.quantization = inner.quantization
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
         lib, blocks = load()[0], find_blocks(weight)  # no blocks where no kernel
+        if lib is not None and blocks is None and self.round_others:
+            blocks = find_blocks(quantized(weight, 8)) if _takes(weight) else None
         if lib is None or blocks is None:
             return self.inner.pack(weight, bias)
         return _BlocksPacked(blocks, bias, self.inner, lib)
@@ -226,6 +236,13 @@ class BlockLinear(LinearKernel):
         if weight.dtype != torch.float32 or weight.shape[1] % CHUNK:
             return (weight,)
         return (weight, quantized(weight, 4), quantized(weight, 8))
+
+
+def _takes(weight: torch.Tensor) -> bool:
+    """Whether the kernel takes a weight of this shape and kind, blocks or not: 2-D
+    float32 on the CPU, its inputs a multiple of `CHUNK`."""
+    return (weight.dim() == 2 and weight.dtype == torch.float32 and not weight.shape[1] % CHUNK
+            and weight.device.type == "cpu")
 
 
 def available() -> bool:

@@ -20,7 +20,10 @@ reduction past 768 inputs into calls of its own. Two kernels, by the CPU:
   (a pass's K/V, then its readout rows alone: drafter.py) drafts from the bits of the
   whole pass, as with the target's row-invariant kernel. An eagle head drafting
   chains of 4 on the AVX2 EPYC (2026-12-07, a random head, always drafting): the
-  drafter's share of a step 15.9 ms with oneDNN, 8.7 ms with this kernel.
+  drafter's share of a step 15.9 ms with oneDNN, 8.7 ms with this kernel. Where the
+  target runs from GGUF blocks (runner/models/linear_blocks.py) a float32 head's
+  weights are rounded to Q8_0 blocks and run on the target's block kernel instead
+  (`draft_kernel`): 1.06 bytes a weight where this one streams 2.
 
 Calls of more than `MAX_ROWS` rows to the bfloat16 kernel (a verification's rows in
 an eagle head's first pass, a prefill's context rows, 16 requests' steps) take oneDNN
@@ -190,9 +193,11 @@ def draft_kernel(target_kernel: LinearKernel, dtype: torch.dtype) -> LinearKerne
     the target runs oneDNN, else the target's own kernel. Where the target runs weights
     from their GGUF blocks (runner/models/linear_blocks.py) a drafter's do too (a draft
     model made of them: a quarter of the bytes of the bfloat16-held gemv), and the
-    others (a trained head's) take the kernel above."""
+    others (a trained head's) are rounded to Q8_0 blocks and run from them as well
+    (`BlockLinear.round_others`), where the kernel takes their shape, else they take
+    the kernel above."""
     if isinstance(target_kernel, BlockLinear):
-        return BlockLinear(draft_kernel(target_kernel.inner, dtype))
+        return BlockLinear(draft_kernel(target_kernel.inner, dtype), round_others=True)
     if target_kernel.quantization is not None:
         return target_kernel
     onednn = isinstance(target_kernel, OneDNNLinear) or (

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.models import linear_draft
+from runner.models import linear_blocks, linear_draft
 from runner.models.linear import (
     OneDNNLinear,
     RowCapped,
@@ -15,7 +15,7 @@ from runner.models.linear import (
     _OneDNNPacked,
     is_row_invariant,
 )
-from runner.models.linear_blocks import BlockLinear
+from runner.models.linear_blocks import BlockLinear, quantized
 from runner.models.linear_draft import MAX_ROWS, DraftGemv, draft_kernel
 from runner.models.linear_int8 import Int8DynamicLinear
 
@@ -155,6 +155,30 @@ def test_the_drafter_kernel_follows_the_target() -> None:
     assert type(blocks.inner) is type(draft_kernel(OneDNNLinear(), torch.float32))
 
 
+def test_a_heads_weights_run_from_q8_0_blocks_where_the_target_runs_blocks() -> None:
+    """A drafter beside a target on GGUF blocks: a trained head's float32 weight (no
+    blocks in it) is rounded to Q8_0 and runs from the blocks, so each output is the
+    rounded weight's sum and near the float weight's; a weight whose inputs the kernel
+    does not take stays on the drafter's gemv; the target's own kernel never rounds."""
+    if not linear_blocks.available():
+        pytest.skip(f"no GGUF-block kernel here: {linear_blocks.load()[1]}")
+    kernel = draft_kernel(BlockLinear(OneDNNLinear()), torch.float32)
+    assert isinstance(kernel, BlockLinear) and kernel.round_others
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(200, 576, generator=gen) * 0.05
+    x = torch.randn(3, 576, generator=gen)
+    packed = kernel.pack(weight, None)
+    assert isinstance(packed, linear_blocks._BlocksPacked) and packed.bits == 8
+    out, exact = packed(x), x @ weight.T
+    torch.testing.assert_close(out, x @ quantized(weight, 8).T, rtol=1e-5, atol=1e-5)
+    assert float((out - exact).abs().max()) < 0.02 * float(exact.abs().max())
+    assert not torch.equal(out, exact)  # rounded: not the float weight's sums
+    odd = kernel.pack(torch.randn(64, 100, generator=gen), None)
+    assert not isinstance(odd, linear_blocks._BlocksPacked)
+    target = BlockLinear(OneDNNLinear()).pack(weight, None)
+    assert not isinstance(target, linear_blocks._BlocksPacked)
+
+
 def test_no_kernel_is_claimed_for_another_dtype() -> None:
     """float16 (or anything else) has no gemv: said, not guessed."""
     gemv, why = linear_draft.load(torch.float16)
@@ -214,8 +238,9 @@ def test_a_bfloat16_weight_keeps_the_f32_kernels_fallback() -> None:
 def test_an_engines_head_drafts_through_the_gemv(dtype: torch.dtype,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The wiring: an engine in each dtype packs its head's linear layers for that
-    dtype's gemv, its one-row steps run through it, and greedy output stays speculation
-    off's."""
+    dtype's gemv (float32 beside a target on GGUF blocks: as Q8_0 blocks, on the
+    target's block kernel), its one-row steps run through it, and greedy output stays
+    speculation off's."""
     from engine.llm import LLM
     from runner.model_loader import load_model
     from runner.model_prep import resolve_model
@@ -230,18 +255,31 @@ def test_an_engines_head_drafts_through_the_gemv(dtype: torch.dtype,
         rows.append(x.shape[0])
         return real(self, x, residual)
 
-    monkeypatch.setattr(linear_draft._GemvPacked, "_run", counted)
     spec = {"method": "eagle", "model": "random", "num_speculative_tokens": 6,
             "draft_top_k": [2, 1], "min_draft_confidence": 0.0}
     on = LLM(loaded_model=model, speculative_config=spec)
     head = on.engine.runner.spec.drafter.net
-    assert isinstance(head._lm_head, linear_draft._GemvPacked)
-    assert head._lm_head.gemv.dtype == dtype
+    if isinstance(model.kernel_choice.kernel, BlockLinear):
+        packed = head._lm_head
+        assert isinstance(packed, linear_blocks._BlocksPacked) and packed.bits == 8
+        run = packed._run  # this layer's calls alone (the target's share the class)
+
+        def counted_blocks(x: torch.Tensor, residual: torch.Tensor | None,
+                           bias: bool = True) -> torch.Tensor:
+            rows.append(x.shape[0])
+            return run(x, residual, bias)
+
+        monkeypatch.setattr(packed, "_run", counted_blocks)
+        cap = None
+    else:
+        monkeypatch.setattr(linear_draft._GemvPacked, "_run", counted)
+        assert isinstance(head._lm_head, linear_draft._GemvPacked)
+        assert head._lm_head.gemv.dtype == dtype
+        cap = head._lm_head.gemv.max_rows
     params = SamplingParams(max_tokens=12, temperature=0.0)
     prompts = ["Name three rivers.", "What is a prime number?"]
     got = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
     off = LLM(loaded_model=model)
     want = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    cap = head._lm_head.gemv.max_rows
     assert rows and (cap is None or max(rows) <= cap)
