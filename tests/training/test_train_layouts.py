@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from engine.llm import LLM
+from runner import drafter
 from runner.drafter import ModelDrafter
 from runner.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
-from runner.models import linear_draft
 from scheduler import SamplingParams
 from spec_decode.methods import TrainLayout, get_method
 from tests.server_helpers import default_model
@@ -84,11 +84,12 @@ def _serve_and_record(method: str, prompt: str, monkeypatch: pytest.MonkeyPatch,
         return drafts
 
     monkeypatch.setattr(ModelDrafter, "propose", recording)
-    # The head on the target's float32 kernel: where "auto" serves float32, a head's
-    # calls otherwise hold its weights in bfloat16 (runner/models/linear_draft.py),
-    # which moves its hidden states past this check's tolerance. The rows are what is
-    # checked here; that kernel has its own tests.
-    monkeypatch.setattr(linear_draft, "load", lambda dtype: (None, "rows checked"))
+    # The head on the target's own float32 kernel: where "auto" serves float32, a
+    # head's calls otherwise hold its weights in bfloat16, or beside a target on GGUF
+    # blocks round them to Q8_0 blocks (runner/models/linear_draft.py), either of which
+    # moves its hidden states past this check's tolerance. The rows are what is
+    # checked here; those kernels have their own tests.
+    monkeypatch.setattr(drafter, "draft_kernel", lambda target, dtype: target)
     llm = LLM(loaded_model=default_model(), num_kv_blocks=32, max_model_len=256,
               speculative_config={"method": method, "num_speculative_tokens": K,
                                   "model": model, "draft_policy": "fixed",
