@@ -32,6 +32,7 @@ whether the outputs are the same.
 from __future__ import annotations
 
 import ctypes
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -143,7 +144,7 @@ def measure_sweep(layers: list[Any], builds: dict[str, Any], rows: int,
             for layer in layers:
                 layer(x[layer.in_features])
             took[name].append(time.perf_counter() - begin)
-    medians = {name: sorted(took[name])[len(took[name]) // 2] for name in names}
+    medians = {name: statistics.median(took[name]) for name in names}
     weight_bytes = sum(layer.codes.numel() * layer.codes.element_size()
                        + layer.scales.numel() * layer.scales.element_size()
                        + (0 if layer.minimums is None else
@@ -176,13 +177,10 @@ def sweep_cases(builds: dict[str, Any], rows: list[int], rounds: int,
 def engine_rounds(builds: dict[str, Any], method: str | None, num_prompts: int,
                   max_tokens: int, rounds: int) -> list[dict[str, Any]]:
     """`--engine`: off (and `method`) on each build, stepped side by side."""
-    from engine.stepwise import run_side_by_side
     from runner.config import RunnerConfig
     from runner.eagle3 import trained_head_dir
     from runner.model_loader import load_model
     from runner.model_prep import resolve_model
-    from scheduler import SamplingParams
-    from training.prompts import instructions
     from training.served import served_engine
 
     path = resolve_model(None)
@@ -193,6 +191,21 @@ def engine_rounds(builds: dict[str, Any], method: str | None, num_prompts: int,
                            "model": str(trained_head_dir(path, method))}
     engines = {(name, build): served_engine(model, spec)
                for name, spec in configs.items() for build in builds}
+    try:
+        return _engine_rounds(engines, model, builds, configs, num_prompts, max_tokens,
+                              rounds)
+    finally:  # each engine's KV cache released, as training/served.py's side_by_side does
+        for llm in engines.values():
+            llm.close()
+
+
+def _engine_rounds(engines: dict[tuple[str, str], Any], model: Any,
+                   builds: dict[str, Any], configs: dict[str, Any], num_prompts: int,
+                   max_tokens: int, rounds: int) -> list[dict[str, Any]]:
+    from engine.stepwise import run_side_by_side
+    from scheduler import SamplingParams
+    from training.prompts import instructions
+
     layers = [v for m in model.modules() for v in vars(m).values()
               if isinstance(v, linear_blocks._BlocksPacked)]
     for (_, build), llm in engines.items():
